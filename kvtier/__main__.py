@@ -1,0 +1,3 @@
+from kvtier.cli import main
+import sys
+sys.exit(main())

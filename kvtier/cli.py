@@ -1,0 +1,248 @@
+"""kvtier command line: serve | generate | chat | inspect | models | plan | bench."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+import uuid
+
+from rich.console import Console
+
+from kvtier.config import DEFAULT_PAGE_SIZE, DEFAULT_PREFILL_CHUNK, CacheConfig, EngineConfig, ServerConfig
+
+DEFAULT_MODEL = "smollm2-135m"
+EXIT_BAD_INPUT = 2  # bad model file / bad arguments
+
+console = Console(stderr=True)
+
+
+def _engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", "-m", default=DEFAULT_MODEL, help="model name (kvtier models list) or path")
+    p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    p.add_argument("--dtype", default="auto", choices=("auto", "fp32", "bf16", "fp16"))
+    p.add_argument("--kv-dtype", default="auto")
+    p.add_argument("--page-size", type=int, default=DEFAULT_PAGE_SIZE)
+    p.add_argument("--gpu-kv-mib", type=int, default=None, help="KV pool size on the compute device")
+    p.add_argument("--host-kv-mib", type=int, default=0, help="pinned host-RAM KV tier size")
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--max-batch", type=int, default=32)
+    p.add_argument("--prefill-chunk", type=int, default=DEFAULT_PREFILL_CHUNK)
+    p.add_argument("--no-prefix-cache", action="store_true")
+    p.add_argument("--threads", type=int, default=None)
+
+
+def _engine_config(a: argparse.Namespace) -> EngineConfig:
+    cache = CacheConfig(page_size=a.page_size, kv_dtype=a.kv_dtype, gpu_kv_mib=a.gpu_kv_mib,
+                        host_kv_mib=a.host_kv_mib, enable_prefix_cache=not a.no_prefix_cache)
+    return EngineConfig(device=a.device, dtype=a.dtype, max_batch=a.max_batch,
+                        prefill_chunk=a.prefill_chunk, max_model_len=a.max_model_len,
+                        cache=cache, threads=a.threads)
+
+
+def _sampling_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int, default=None)
+
+
+def _params(a: argparse.Namespace):
+    from kvtier.engine.request import SamplingParams
+    return SamplingParams(temperature=a.temperature, top_p=a.top_p, top_k=a.top_k, seed=a.seed,
+                          max_tokens=a.max_tokens)
+
+
+def cmd_serve(a: argparse.Namespace) -> int:
+    from kvtier.engine.build import build_engine
+    from kvtier.engine.engine import AsyncEngine
+    from kvtier.server.app import serve
+
+    key = a.api_key or os.environ.get("KVTIER_API_KEY")
+    scfg = ServerConfig(host=a.host, port=a.port, api_key=key, cors=a.cors,
+                        max_concurrency=a.max_concurrency, model_name=a.served_name or a.model)
+    engine = build_engine(a.model, _engine_config(a), console=console)
+    scfg = ServerConfig(**{**scfg.__dict__, "model_name": a.served_name or engine.model_name})
+    url = f"http://{a.host}:{a.port}"
+    console.print(f"[bold]kvtier[/] serving [cyan]{scfg.model_name}[/] at {url}  (chat page: {url}/)")
+    auth = f" -H 'Authorization: Bearer {key}'" if key else ""
+    console.print(f"try: curl {url}/v1/chat/completions -H 'Content-Type: application/json'{auth} "
+                  f"-d '{{\"model\":\"{scfg.model_name}\",\"messages\":[{{\"role\":\"user\","
+                  f"\"content\":\"Hello!\"}}],\"max_tokens\":64}}'")
+    serve(AsyncEngine(engine), scfg)
+    return 0
+
+
+def _stream(engine, req, out=sys.stdout) -> tuple[int, float, float]:
+    """Run one request, printing text as it arrives. Returns (tokens, ttft, seconds)."""
+    t0 = time.perf_counter()
+    ttft = None
+    n = 0
+    engine.add_request(req)
+    while engine.has_unfinished():
+        for o in engine.step():
+            if o.token_ids and ttft is None:
+                ttft = time.perf_counter() - t0
+            n += len(o.token_ids)
+            if o.text:
+                out.write(o.text)
+                out.flush()
+            if o.finish_reason == "error":
+                console.print(f"[red]error:[/] {o.error}")
+    return n, ttft or 0.0, time.perf_counter() - t0
+
+
+def cmd_generate(a: argparse.Namespace) -> int:
+    from kvtier.engine.build import build_engine
+    from kvtier.engine.request import Request
+
+    engine = build_engine(a.model, _engine_config(a), console=console)
+    tok = engine.tokenizer
+    if a.raw:
+        ids = tok.encode(a.prompt, add_special_tokens=True)
+    else:
+        ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": a.prompt}]))
+    n, ttft, dt = _stream(engine, Request(uuid.uuid4().hex, ids, _params(a)))
+    print()
+    decode_s = max(dt - ttft, 1e-9)
+    console.print(f"[dim]{len(ids)} prompt tokens, {n} generated; TTFT {ttft * 1000:.0f} ms, "
+                  f"{max(n - 1, 0) / decode_s:.1f} tok/s decode[/]")
+    return 0
+
+
+def cmd_chat(a: argparse.Namespace) -> int:
+    from kvtier.engine.build import build_engine
+    from kvtier.engine.request import Request
+
+    engine = build_engine(a.model, _engine_config(a), console=console)
+    tok = engine.tokenizer
+    history: list[dict] = [{"role": "system", "content": a.system}] if a.system else []
+    console.print("[dim]kvtier chat: empty line or Ctrl-D quits[/]")
+    while True:
+        try:
+            line = console.input("[bold green]> [/]")
+        except (EOFError, KeyboardInterrupt):
+            break
+        if not line.strip():
+            break
+        history.append({"role": "user", "content": line})
+        ids = tok.encode(tok.apply_chat_template(history))
+        import io
+        buf = io.StringIO()
+
+        class Tee:
+            def write(self, s: str) -> None:
+                buf.write(s)
+                sys.stdout.write(s)
+
+            def flush(self) -> None:
+                sys.stdout.flush()
+
+        n, ttft, dt = _stream(engine, Request(uuid.uuid4().hex, ids, _params(a)), Tee())
+        print()
+        st = engine.stats()["cache"]
+        console.print(f"[dim]{n} tokens, {max(n - 1, 0) / max(dt - ttft, 1e-9):.1f} tok/s, "
+                      f"TTFT {ttft * 1000:.0f} ms, prefix-cache hit tokens {st.get('hit_tokens', 0)}[/]")
+        history.append({"role": "assistant", "content": buf.getvalue()})
+    return 0
+
+
+def cmd_inspect(a: argparse.Namespace) -> int:
+    from kvtier.models.hub import resolve_model
+    from kvtier.models.inspect import format_inspect, inspect_model
+
+    Console().print(format_inspect(inspect_model(resolve_model(a.model))))
+    return 0
+
+
+def cmd_models(a: argparse.Namespace) -> int:
+    from kvtier.models import hub
+
+    if a.action == "list":
+        from rich.table import Table
+        t = Table("name", "file", "size", "status")
+        for m in hub.list_models():
+            t.add_row(*[str(x) for x in m.values()][:4])
+        Console().print(t)
+        return 0
+    path = hub.fetch(a.name)
+    print(path)
+    return 0
+
+
+def cmd_bench(a: argparse.Namespace) -> int:
+    from kvtier.bench.run import run_bench
+    return run_bench(a)
+
+
+def cmd_plan(a: argparse.Namespace) -> int:
+    from kvtier.engine.plan import run_plan
+    return run_plan(a)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="kvtier", description=__doc__)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    p = sub.add_parser("serve", help="serve the OpenAI + Anthropic HTTP APIs")
+    _engine_args(p)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", default=None, help="required off loopback (or KVTIER_API_KEY)")
+    p.add_argument("--cors", action="store_true", help="allow cross-origin browser requests")
+    p.add_argument("--max-concurrency", type=int, default=64)
+    p.add_argument("--served-name", default=None)
+    p.set_defaults(fn=cmd_serve)
+    p = sub.add_parser("generate", help="complete one prompt")
+    _engine_args(p)
+    _sampling_args(p)
+    p.add_argument("prompt")
+    p.add_argument("--raw", action="store_true", help="no chat template")
+    p.set_defaults(fn=cmd_generate)
+    p = sub.add_parser("chat", help="interactive chat in the terminal")
+    _engine_args(p)
+    _sampling_args(p)
+    p.add_argument("--system", default=None)
+    p.set_defaults(fn=cmd_chat)
+    p = sub.add_parser("inspect", help="describe a model file without loading it")
+    p.add_argument("model")
+    p.set_defaults(fn=cmd_inspect)
+    p = sub.add_parser("models", help="list or fetch named models")
+    p.add_argument("action", choices=("list", "fetch"))
+    p.add_argument("name", nargs="?")
+    p.set_defaults(fn=cmd_models)
+    p = sub.add_parser("bench", help="decode/prefill tokens/s vs HF transformers")
+    _engine_args(p)
+    p.add_argument("--prompt-tokens", type=int, default=128)
+    p.add_argument("--gen-tokens", type=int, default=64)
+    p.add_argument("--no-hf", action="store_true")
+    p.add_argument("--llama-cpp", action="store_true")
+    p.add_argument("--out", default=None, help="append a markdown table here")
+    p.set_defaults(fn=cmd_bench)
+    p = sub.add_parser("plan", help="memory plan for a model, context and limits")
+    p.add_argument("--model", "-m", default=DEFAULT_MODEL)
+    p.add_argument("--gpu-memory-limit", default=None)
+    p.add_argument("--context", type=int, default=None)
+    p.add_argument("--kv-dtype", default="bf16")
+    p.add_argument("--host-kv-mib", type=int, default=0)
+    p.set_defaults(fn=cmd_plan)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = build_parser().parse_args(argv)
+    if a.cmd == "models" and a.action == "fetch" and not a.name:
+        console.print("[red]error:[/] kvtier models fetch NAME (see kvtier models list)")
+        return EXIT_BAD_INPUT
+    try:
+        return a.fn(a)
+    except ValueError as e:  # bad model file, bad config, context overflow: one line, exit 2
+        console.print(f"[red]error:[/] {e}")
+        return EXIT_BAD_INPUT
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

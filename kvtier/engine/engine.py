@@ -1,0 +1,324 @@
+"""Engine (synchronous step loop) and AsyncEngine (asyncio front end).
+
+    add_request(Request) -> scheduler.waiting
+    step():  scheduler.schedule() -> Batch -> runner.execute() -> logits
+             -> sampler -> append tokens -> detokenize + stops -> [Output]
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+import torch
+
+from kvtier.config import EngineConfig
+from kvtier.engine.request import ContextOverflowError, Output, Progress, Request, Usage
+from kvtier.engine.runner import ModelRunner
+from kvtier.engine.sampler import sample
+from kvtier.engine.scheduler import Scheduler, Sequence
+from kvtier.engine.stops import StopChecker
+from kvtier.kv.formats import make_format
+from kvtier.kv.manager import CacheManager
+from kvtier.kv.pool import PagePool
+from kvtier.layers.attention import DensePagedAttention
+from kvtier.models.tokenizer import IncrementalDetokenizer, Tokenizer
+
+# KV budget when nothing else is said: CPU RAM is plentiful, GPU memory is planned.
+DEFAULT_CPU_KV_MIB = 1024
+# Share of free GPU memory given to the KV pool when no size is set.
+GPU_KV_FRACTION = 0.6
+
+
+@dataclass
+class _SeqOut:
+    """Per-request output state: detokenizer, stop strings, sampling RNG, grammar."""
+
+    detok: IncrementalDetokenizer
+    stops: StopChecker
+    generator: torch.Generator | None
+    grammar: object | None
+    stop_ids: frozenset[int]
+    output_ids: list[int] = field(default_factory=list)
+
+
+class Engine:
+    def __init__(self, model: torch.nn.Module, tokenizer: Tokenizer, config: EngineConfig,
+                 model_name: str = "model", max_model_len: int | None = None):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.config = config
+        self.model_name = model_name
+        spec = model.spec
+        self.device = next(model.parameters()).device
+        self.max_model_len = max_model_len or config.max_model_len or spec.max_position_embeddings
+        cc = config.cache
+        kv_dtype = cc.kv_dtype if cc.kv_dtype != "auto" else (
+            "fp32" if self.device.type == "cpu" else "bf16")
+        fmt = make_format(kv_dtype)
+        num_pages = cc.num_pages or self._auto_pages(fmt, spec)
+        compute = next(model.parameters()).dtype
+        self.pool = PagePool(fmt, spec.num_layers, num_pages, spec.num_kv_heads, cc.page_size,
+                             spec.head_dim, self.device, compute_dtype=compute)
+        host_pages = 0
+        self.host_pool = None
+        if cc.host_kv_mib > 0:
+            per_page = fmt.bytes_per_token(spec.num_kv_heads, spec.head_dim) * spec.num_layers * cc.page_size
+            host_pages = max(2, int(cc.host_kv_mib * 2**20 // per_page))
+            self.host_pool = PagePool(fmt, spec.num_layers, host_pages, spec.num_kv_heads,
+                                      cc.page_size, spec.head_dim, "cpu", compute_dtype=compute,
+                                      pin=self.device.type == "cuda")
+        self.kv_format = fmt.name
+        self.manager = CacheManager(num_pages, cc.page_size, num_host_pages=host_pages,
+                                    enable_prefix=cc.enable_prefix_cache,
+                                    namespace=f"{model_name}|{fmt.name}")
+        self.scheduler = Scheduler(self.manager, config.max_batch, config.prefill_chunk)
+        backend = DensePagedAttention(self.pool, scale=spec.head_dim ** -0.5)
+        self.runner = ModelRunner(model, self.pool, backend, self.device, self.host_pool)
+        self._seqs: dict[str, Sequence] = {}
+        self._outs: dict[str, _SeqOut] = {}
+        self.steps = 0
+
+    def _auto_pages(self, fmt, spec) -> int:
+        per_page = (fmt.bytes_per_token(spec.num_kv_heads, spec.head_dim) * spec.num_layers
+                    * self.config.cache.page_size)
+        if self.config.cache.gpu_kv_mib:
+            budget = self.config.cache.gpu_kv_mib * 2**20
+        elif self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            budget = free * GPU_KV_FRACTION
+        else:
+            budget = DEFAULT_CPU_KV_MIB * 2**20
+        return max(2, int(budget // per_page))
+
+    # ---- requests -------------------------------------------------------
+    def add_request(self, req: Request) -> None:
+        n, mt = len(req.prompt_token_ids), req.params.max_tokens
+        if n == 0:
+            raise ValueError("the prompt is empty")
+        if n + mt > self.max_model_len:
+            raise ContextOverflowError(n, mt, self.max_model_len)
+        if req.request_id in self._seqs:
+            raise ValueError(f"duplicate request id {req.request_id!r}")
+        p = req.params
+        gen = None
+        if p.temperature > 0:
+            gen = torch.Generator(device="cpu")
+            gen.manual_seed(p.seed if p.seed is not None else int.from_bytes(os.urandom(8), "little"))
+        stop_ids = frozenset(p.stop_token_ids) | (frozenset() if p.ignore_eos
+                                                   else self.tokenizer.eos_token_ids)
+        grammar = req.grammar.new_state() if req.grammar is not None else None
+        seq = Sequence(request=req, tokens=list(req.prompt_token_ids), prompt_len=n)
+        self._seqs[req.request_id] = seq
+        self._outs[req.request_id] = _SeqOut(
+            detok=IncrementalDetokenizer(self.tokenizer, skip_special_tokens=True), stops=StopChecker(list(p.stop)),
+            generator=gen, grammar=grammar, stop_ids=stop_ids)
+        self.scheduler.add(seq)
+
+    def abort(self, request_id: str) -> Output | None:
+        seq = self._seqs.get(request_id)
+        if seq is None:
+            return None
+        return self._finish(seq, "abort")
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work()
+
+    # ---- the step -------------------------------------------------------
+    def step(self) -> list[Output]:
+        batch = self.scheduler.schedule()
+        if not batch:
+            if self.scheduler.waiting and not self.scheduler.running:
+                # nothing running and the head of the queue still does not fit: it never will
+                seq = self.scheduler.waiting[0]
+                return [self._finish(seq, "error", "the KV cache is too small for this request")]
+            return []
+        logits = self.runner.execute(batch)
+        self.scheduler.after_step(batch)
+        self.steps += 1
+        sampled = [s for s in batch.seqs if s.sample]
+        outputs: list[Output] = []
+        if sampled:
+            tokens = self._sample(sampled, logits)
+            for s, tok in zip(sampled, tokens):
+                outputs.append(self._append(s.seq, tok))
+        for s in batch.seqs:
+            if not s.sample and s.seq.in_prefill:
+                outputs.append(self._progress(s.seq))
+        return outputs
+
+    def _sample(self, sampled, logits: torch.Tensor) -> list[int]:
+        params = [s.seq.request.params for s in sampled]
+        outs = [self._outs[s.seq.seq_id] for s in sampled]
+        masks = [o.grammar.allowed_mask() if o.grammar is not None else None for o in outs]
+        toks = sample(logits, params, [o.generator for o in outs], [s.seq.tokens for s in sampled],
+                      masks, prompt_lens=[s.seq.prompt_len for s in sampled])
+        return toks.tolist()
+
+    def _append(self, seq: Sequence, tok: int) -> Output:
+        so = self._outs[seq.seq_id]
+        seq.tokens.append(tok)
+        so.output_ids.append(tok)
+        if so.grammar is not None:
+            so.grammar.accept(tok)
+        p = seq.request.params
+        if tok in so.stop_ids:
+            return self._finish(seq, "stop", stop_reason=tok, last_token=tok)
+        text, matched = so.stops.feed(so.detok.push(tok))
+        if matched is not None:
+            return self._finish(seq, "stop", stop_reason=matched, last_token=tok, text=text)
+        if so.grammar is not None and so.grammar.is_terminated():
+            return self._finish(seq, "stop", last_token=tok, text=text)
+        if seq.num_output >= p.max_tokens or len(seq.tokens) >= self.max_model_len:
+            return self._finish(seq, "length", last_token=tok, text=text)
+        return Output(request_id=seq.seq_id, token_ids=[tok], text=text, usage=self._usage(seq))
+
+    def _finish(self, seq: Sequence, reason: str, error: str | None = None, stop_reason=None,
+                last_token: int | None = None, text: str = "") -> Output:
+        so = self._outs.pop(seq.seq_id)
+        self._seqs.pop(seq.seq_id, None)
+        self.scheduler.finish(seq)
+        if not isinstance(stop_reason, str):  # not a stop string: release held-back text
+            text += so.stops.feed(so.detok.flush())[0] + so.stops.flush()
+        return Output(request_id=seq.seq_id, token_ids=[] if last_token is None else [last_token],
+                      text=text, finish_reason=reason, stop_reason=stop_reason,
+                      usage=self._usage(seq), error=error)
+
+    def _usage(self, seq: Sequence) -> Usage:
+        return Usage(prompt_tokens=seq.prompt_len, cached_tokens=seq.cached_tokens,
+                     cached_host_tokens=seq.cached_host_tokens,
+                     computed_tokens=seq.prompt_len - seq.cached_tokens,
+                     completion_tokens=seq.num_output)
+
+    def _progress(self, seq: Sequence) -> Output:
+        return Output(request_id=seq.seq_id, usage=self._usage(seq),
+                      progress=Progress(processed=seq.num_computed, total=seq.prompt_len,
+                                        cached=seq.cached_tokens))
+
+    def stats(self) -> dict:
+        return {"running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
+                "steps": self.steps, "preemptions": self.scheduler.preemptions,
+                "kv_format": self.kv_format, "gpu_pages": self.pool.num_pages,
+                "host_pages": self.host_pool.num_pages if self.host_pool else 0,
+                "cache": self.manager.stats()}
+
+    # ---- convenience ----------------------------------------------------
+    def generate_sync(self, requests: list[Request]) -> dict[str, list[Output]]:
+        """Run requests to completion (tests, CLI). Returns all outputs per request id."""
+        results: dict[str, list[Output]] = {r.request_id: [] for r in requests}
+        for r in requests:
+            self.add_request(r)
+        while self.has_unfinished():
+            for o in self.step():
+                results[o.request_id].append(o)
+        return results
+
+
+class AsyncEngine:
+    """asyncio front end: the step loop runs in its own thread.
+
+    generate() enqueues a request and drains its outputs; a slow client never
+    stalls a step. abort() (client disconnect) takes effect before the next step.
+    """
+
+    def __init__(self, engine: Engine):
+        self.engine = engine
+        self.model_name = engine.model_name
+        self.max_model_len = engine.max_model_len
+        self.tokenizer = engine.tokenizer
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._stopped = False
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._loop, name="kvtier-engine", daemon=True)
+        self._thread.start()
+
+    async def generate(self, request: Request) -> AsyncIterator[Output]:
+        n, mt = len(request.prompt_token_ids), request.params.max_tokens
+        if n + mt > self.max_model_len:
+            raise ContextOverflowError(n, mt, self.max_model_len)
+        q: asyncio.Queue = asyncio.Queue()
+        with self._lock:
+            self._streams[request.request_id] = (asyncio.get_running_loop(), q)
+        self._inbox.put(("add", request))
+        self._wake.set()
+        finished = False
+        try:
+            while True:
+                out = await q.get()
+                if isinstance(out, BaseException):
+                    raise out
+                finished = out.finished
+                yield out
+                if finished:
+                    return
+        finally:
+            if not finished:  # consumer went away (disconnect, cancellation)
+                self.abort(request.request_id)
+            with self._lock:
+                self._streams.pop(request.request_id, None)
+
+    def abort(self, request_id: str) -> None:
+        self._inbox.put(("abort", request_id))
+        self._wake.set()
+
+    def stats(self) -> dict:
+        return self.engine.stats()
+
+    def shutdown(self) -> None:
+        self._stopped = True
+        self._wake.set()
+        self._thread.join(timeout=5)
+
+    def _deliver(self, out: Output | BaseException, request_id: str) -> None:
+        with self._lock:
+            target = self._streams.get(request_id)
+        if target is not None:
+            loop, q = target
+            loop.call_soon_threadsafe(q.put_nowait, out)
+
+    def _drain_inbox(self) -> None:
+        while True:
+            try:
+                kind, arg = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if kind == "add":
+                try:
+                    self.engine.add_request(arg)
+                except Exception as e:  # validation errors go back to the caller
+                    self._deliver(e, arg.request_id)
+            else:
+                out = self.engine.abort(arg)
+                if out is not None:
+                    self._deliver(out, arg)
+
+    def _loop(self) -> None:
+        while not self._stopped:
+            self._drain_inbox()
+            if not self.engine.has_unfinished():
+                self._wake.wait(timeout=0.5)
+                self._wake.clear()
+                continue
+            try:
+                outputs = self.engine.step()
+            except Exception as e:  # a failed step fails its requests, not the server
+                self._fail_all(e)
+                continue
+            for out in outputs:
+                self._deliver(out, out.request_id)
+
+    def _fail_all(self, exc: Exception) -> None:
+        for rid in list(self.engine._seqs):
+            out = self.engine.abort(rid)
+            if out is not None:
+                out.finish_reason, out.error = "error", f"engine step failed: {exc}"
+                self._deliver(out, rid)

@@ -1,0 +1,162 @@
+"""Memory plan: what a model + context + KV format needs, checked before anything loads.
+
+    GPU limit = weights + scratch (activations of one prefill chunk) + runtime reserve
+                + GPU KV pool
+    context KV = context tokens x KV bytes/token; what the GPU pool cannot hold
+                 must fit the pinned host tier.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from kvtier.config import DEFAULT_PAGE_SIZE, DEFAULT_PREFILL_CHUNK, ModelSpec
+
+GIB = 2**30
+MIB = 2**20
+# CUDA context, cuBLAS workspaces and allocator slack that torch keeps for itself.
+CUDA_RUNTIME_RESERVE = 768 * MIB
+# Captured decode graphs keep their own static buffers.
+CUDA_GRAPH_RESERVE = 256 * MIB
+# Live activations per prefill-chunk token, in hidden-size multiples (q/k/v/o, mlp, residuals).
+ACTIVATION_FACTOR = 12
+# The GPU pool must hold at least this many pages for every running sequence's working set.
+MIN_GPU_PAGES = 64
+WEIGHT_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    spec: ModelSpec
+    weight_bytes: int
+    scratch_bytes: int
+    reserve_bytes: int
+    kv_bytes_per_token: float
+    kv_format: str
+    gpu_limit: int | None
+    context: int
+    gpu_kv_bytes: int
+    host_kv_bytes: int
+    host_available: int
+    problems: tuple[str, ...]
+
+    @property
+    def fits(self) -> bool:
+        return not self.problems
+
+    @property
+    def gpu_kv_tokens(self) -> int:
+        return int(self.gpu_kv_bytes // self.kv_bytes_per_token)
+
+
+def parse_size(text: str) -> int:
+    """'12GiB', '500MiB', '12G', '1.5GB', '4096' (MiB) -> bytes."""
+    m = re.fullmatch(r"\s*([0-9.]+)\s*([KMGT]?)(i?B)?\s*", text, re.I)
+    if not m:
+        raise ValueError(f"cannot read the size {text!r}: use e.g. 12GiB or 500MiB")
+    num, unit, suffix = float(m.group(1)), m.group(2).upper(), (m.group(3) or "")
+    if not unit:
+        return int(num * MIB)
+    base = 1024 if suffix.lower() != "b" else 1000
+    return int(num * base ** "KMGT".index(unit) * base)
+
+
+def param_count(spec: ModelSpec) -> int:
+    from kvtier.models.registry import expected_shapes
+
+    return sum(math.prod(s) for s in expected_shapes(spec).values())
+
+
+def read_spec(path: Path) -> ModelSpec:
+    from kvtier.models.loading.gguf import read_gguf_header, spec_from_gguf
+    from kvtier.models.loading.safetensors import read_config, spec_from_config
+
+    if path.is_dir():
+        return spec_from_config(read_config(path), path / "config.json")
+    return spec_from_gguf(read_gguf_header(path))
+
+
+def host_ram_available() -> int:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+
+
+def make_plan(spec: ModelSpec, kv_format: str, context: int | None, gpu_limit: int | None,
+              host_kv_bytes: int | None, weight_dtype: str = "bf16",
+              prefill_chunk: int = DEFAULT_PREFILL_CHUNK) -> MemoryPlan:
+    from kvtier.kv.formats import make_format
+
+    fmt = make_format(kv_format)
+    kvpt = fmt.bytes_per_token(spec.num_kv_heads, spec.head_dim) * spec.num_layers
+    weights = param_count(spec) * WEIGHT_BYTES[weight_dtype]
+    scratch = prefill_chunk * spec.hidden_size * ACTIVATION_FACTOR * WEIGHT_BYTES[weight_dtype]
+    scratch += prefill_chunk * spec.vocab_size * 4 // 8  # logits of a few rows at most, fp32
+    reserve = CUDA_RUNTIME_RESERVE + CUDA_GRAPH_RESERVE
+    context = context or spec.max_position_embeddings
+    need_kv = int(context * kvpt)
+    problems: list[str] = []
+    if gpu_limit is None:
+        gpu_kv = need_kv
+    else:
+        gpu_kv = gpu_limit - weights - scratch - reserve
+        min_kv = int(MIN_GPU_PAGES * DEFAULT_PAGE_SIZE * kvpt)
+        if gpu_kv < min_kv:
+            problems.append(
+                f"weights {weights / GIB:.2f} GiB + scratch {scratch / GIB:.2f} GiB + runtime "
+                f"{reserve / GIB:.2f} GiB leave {max(gpu_kv, 0) / GIB:.2f} GiB of the "
+                f"{gpu_limit / GIB:.2f} GiB limit for KV (need >= {min_kv / GIB:.2f} GiB): raise "
+                f"--gpu-memory-limit or use a smaller or more quantized model")
+            gpu_kv = max(gpu_kv, 0)
+        gpu_kv = min(gpu_kv, need_kv)
+    host_need = max(0, need_kv - gpu_kv)
+    host = host_need if host_kv_bytes is None else host_kv_bytes
+    avail = host_ram_available()
+    if host_kv_bytes is not None and host_kv_bytes < host_need:
+        problems.append(
+            f"a {context}-token context needs {need_kv / GIB:.2f} GiB of {kv_format} KV; the GPU pool "
+            f"holds {gpu_kv / GIB:.2f} GiB, so the host tier needs {host_need / MIB:.0f} MiB but "
+            f"--host-kv-mib gives {host_kv_bytes / MIB:.0f}: raise it or pick a smaller --kv-dtype")
+    if host > avail:
+        problems.append(f"the host tier needs {host / GIB:.2f} GiB of pinned RAM but only "
+                        f"{avail / GIB:.2f} GiB is free: use a smaller --kv-dtype or context")
+    return MemoryPlan(spec, weights, scratch, reserve, kvpt, kv_format, gpu_limit, context,
+                      int(gpu_kv), int(host), avail, tuple(problems))
+
+
+def render(plan: MemoryPlan) -> Table:
+    t = Table("item", "size", title=f"memory plan: {plan.spec.arch}, {plan.context} tokens, "
+                                    f"KV {plan.kv_format}")
+    t.add_row("weights (bf16)", f"{plan.weight_bytes / GIB:.2f} GiB")
+    t.add_row("scratch (one prefill chunk)", f"{plan.scratch_bytes / MIB:.0f} MiB")
+    t.add_row("CUDA runtime + graphs", f"{plan.reserve_bytes / MIB:.0f} MiB")
+    t.add_row("KV per token (all layers)", f"{plan.kv_bytes_per_token / 1024:.1f} KiB")
+    t.add_row("GPU KV pool", f"{plan.gpu_kv_bytes / GIB:.2f} GiB ({plan.gpu_kv_tokens} tokens)")
+    t.add_row("host KV tier (pinned)", f"{plan.host_kv_bytes / GIB:.2f} GiB "
+                                       f"(free RAM {plan.host_available / GIB:.1f} GiB)")
+    if plan.gpu_limit is not None:
+        t.add_row("GPU limit", f"{plan.gpu_limit / GIB:.2f} GiB")
+    return t
+
+
+def run_plan(a: argparse.Namespace) -> int:
+    from kvtier.models.hub import resolve_model
+
+    spec = read_spec(Path(resolve_model(a.model)))
+    limit = parse_size(a.gpu_memory_limit) if a.gpu_memory_limit else None
+    host = a.host_kv_mib * MIB if a.host_kv_mib else None
+    plan = make_plan(spec, a.kv_dtype, a.context, limit, host)
+    console = Console()
+    console.print(render(plan))
+    if plan.fits:
+        console.print("[green]fits[/]")
+        return 0
+    for p in plan.problems:
+        console.print(f"[red]does not fit:[/] {p}")
+    return 2
