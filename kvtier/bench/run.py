@@ -56,6 +56,12 @@ def measure_bandwidth(device: torch.device) -> float:
     return 2 * PROBE_BYTES / best
 
 
+def synthetic_ids(n: int, vocab: int, stride: int) -> list[int]:
+    """A deterministic, non-repeating-looking token sequence inside the vocabulary."""
+    span = max(vocab - 200, 1)  # keep clear of special tokens at both ends
+    return [(i * stride + 7) % span + 100 % vocab for i in range(n)]
+
+
 def prompt_ids(tokenizer, n: int) -> list[int]:
     ids: list[int] = []
     while len(ids) < n:
@@ -63,13 +69,13 @@ def prompt_ids(tokenizer, n: int) -> list[int]:
     return ids[:n]
 
 
-def bench_kvtier(engine, ids: list[int], gen: int, bandwidth: float) -> Result:
+def _timed_request(engine, ids: list[int], gen: int) -> tuple[float, float, int]:
+    """Run one greedy request alone. Returns (ttft s, total s, generated tokens)."""
     from kvtier.engine.request import Request, SamplingParams
 
-    p = SamplingParams(temperature=0.0, max_tokens=gen, ignore_eos=True)
-    engine.generate_sync([Request("warmup", ids[:16], SamplingParams(temperature=0, max_tokens=4))])
-    req = Request(uuid.uuid4().hex, ids, p)
-    engine.add_request(req)
+    engine.add_request(Request(uuid.uuid4().hex, ids, SamplingParams(temperature=0.0, max_tokens=gen,
+                                                                      ignore_eos=True)))
+    _sync(engine.device)
     t0 = time.perf_counter()
     ttft, n = None, 0
     while engine.has_unfinished():
@@ -79,9 +85,27 @@ def bench_kvtier(engine, ids: list[int], gen: int, bandwidth: float) -> Result:
                 ttft = time.perf_counter() - t0
             n += len(o.token_ids)
     _sync(engine.device)
-    total = time.perf_counter() - t0
+    return ttft, time.perf_counter() - t0, n
+
+
+def bench_kvtier(engine, ids: list[int], gen: int, bandwidth: float) -> Result:
+    _timed_request(engine, ids[:16], 4)  # warm-up: kernels, allocator
+    ttft, total, n = _timed_request(engine, ids, gen)
     wbytes = sum(t.numel() * t.element_size() for t in engine.model.parameters())
     return Result("kvtier", len(ids), n, ttft, len(ids) / ttft, (n - 1) / (total - ttft), wbytes, bandwidth)
+
+
+def bench_prefix(engine, ids: list[int], new: int, console: Console) -> tuple[float, float]:
+    """TTFT of a prompt whose first len(ids) tokens are cached vs the same prompt cold."""
+    vocab = engine.model.spec.vocab_size
+    tail = synthetic_ids(new, vocab, 7)  # new tokens after the shared history
+    ttft_cold, _, _ = _timed_request(engine, ids + tail, 1)
+    tail2 = synthetic_ids(new, vocab, 11)
+    ttft_hit, _, _ = _timed_request(engine, ids + tail2, 1)
+    console.print(f"prefix cache: {len(ids)} cached + {new} new tokens: TTFT cold "
+                  f"{ttft_cold * 1000:.1f} ms, hit {ttft_hit * 1000:.1f} ms "
+                  f"({ttft_cold / ttft_hit:.1f}x)")
+    return ttft_cold, ttft_hit
 
 
 def _sync(device: torch.device) -> None:
@@ -114,6 +138,26 @@ def bench_hf(path: Path, ids: list[int], gen: int, device: torch.device, dtype: 
                   (n - 1) / max(total - ttft, 1e-9), wbytes, bandwidth)
 
 
+def bench_hf_model(model, ids: list[int], gen: int, device: torch.device, bandwidth: float) -> Result:
+    """HF transformers on an already-built model (the random-weight shapes)."""
+    x = torch.tensor([ids], device=device)
+    with torch.inference_mode():
+        model.generate(x[:, :16], max_new_tokens=4, do_sample=False, pad_token_id=0)
+        _sync(device)
+        t0 = time.perf_counter()
+        model(x)
+        _sync(device)
+        ttft = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        out = model.generate(x, max_new_tokens=gen, min_new_tokens=gen, do_sample=False, pad_token_id=0)
+        _sync(device)
+        total = time.perf_counter() - t0
+    n = out.shape[1] - x.shape[1]
+    wbytes = sum(t.numel() * t.element_size() for t in model.parameters())
+    return Result("hf-transformers", len(ids), n, ttft, len(ids) / ttft,
+                  (n - 1) / max(total - ttft, 1e-9), wbytes, bandwidth)
+
+
 def bench_llama_cpp(path: Path, ids: list[int], gen: int, threads: int, bandwidth: float) -> Result | None:
     try:
         from llama_cpp import Llama
@@ -131,27 +175,63 @@ def bench_llama_cpp(path: Path, ids: list[int], gen: int, threads: int, bandwidt
     return Result("llama.cpp", len(ids), gen, ttft, len(ids) / ttft, gen / dt, path.stat().st_size, bandwidth)
 
 
-def run_bench(a: argparse.Namespace) -> int:
+def _build(a: argparse.Namespace):
+    """(engine, hf model or path, ids) for a named/path model or a random-weight shape."""
     from kvtier.cli import _engine_config
-    from kvtier.engine.build import DTYPES, build_engine
+    from kvtier.engine.build import DTYPES, build_engine, resolve_device
+    from kvtier.engine.engine import Engine
     from kvtier.models.hub import resolve_model
 
-    console = Console()
+    if a.shape:
+        from kvtier.bench.shapes import kvtier_from_hf, random_hf_model
+
+        cfg = resolve_device(_engine_config(a))
+        dev, dt = torch.device(cfg.device), DTYPES[cfg.dtype]
+        hf = random_hf_model(a.shape, dt, dev)
+        net = kvtier_from_hf(hf, dt, dev)
+        engine = Engine(net, None, cfg, model_name=f"random-{a.shape}")
+        ids = synthetic_ids(a.prompt_tokens, net.spec.vocab_size, 31)
+        return engine, hf, ids
     engine = build_engine(a.model, _engine_config(a), console=Console(stderr=True))
-    path = Path(resolve_model(a.model))
-    ids = prompt_ids(engine.tokenizer, a.prompt_tokens)
+    return engine, Path(resolve_model(a.model)), prompt_ids(engine.tokenizer, a.prompt_tokens)
+
+
+def run_bench(a: argparse.Namespace) -> int:
+    from kvtier.engine.build import DTYPES
+
+    console = Console()
+    engine, ref, ids = _build(a)
     bw = measure_bandwidth(engine.device)
+    if a.cached_tokens:
+        vocab = engine.model.spec.vocab_size
+        cold, hit = bench_prefix(engine, synthetic_ids(a.cached_tokens, vocab, 13), a.new_tokens, console)
+        if a.out:
+            with open(a.out, "a") as f:
+                f.write(f"\n{engine.model_name} on {engine.device.type}: {a.cached_tokens} cached + "
+                        f"{a.new_tokens} new tokens: TTFT cold {cold * 1000:.1f} ms, prefix hit "
+                        f"{hit * 1000:.1f} ms ({cold / hit:.1f}x)\n")
+        return 0
     results = [bench_kvtier(engine, ids, a.gen_tokens, bw)]
     if not a.no_hf:
-        results.append(bench_hf(path, ids, a.gen_tokens, engine.device, DTYPES[engine.config.dtype], bw))
-    if a.llama_cpp and path.suffix == ".gguf":
-        r = bench_llama_cpp(path, ids, a.gen_tokens, torch.get_num_threads(), bw)
+        if isinstance(ref, Path):
+            results.append(bench_hf(ref, ids, a.gen_tokens, engine.device, DTYPES[engine.config.dtype], bw))
+        else:
+            results.append(bench_hf_model(ref, ids, a.gen_tokens, engine.device, bw))
+    if a.llama_cpp and isinstance(ref, Path) and ref.suffix == ".gguf":
+        r = bench_llama_cpp(ref, ids, a.gen_tokens, torch.get_num_threads(), bw)
         if r is None:
             console.print("[yellow]llama-cpp-python is not installed; skipped[/]")
         else:
             results.append(r)
-    table = Table(title=f"{engine.model_name} on {engine.device.type} "
-                        f"({torch.get_num_threads()} threads), bandwidth {bw / 1e9:.1f} GB/s")
+    _report(console, engine, results, bw, a.out)
+    return 0
+
+
+def _report(console: Console, engine, results: list[Result], bw: float, out: str | None) -> None:
+    dev = torch.cuda.get_device_name() if engine.device.type == "cuda" else \
+        f"cpu, {torch.get_num_threads()} threads"
+    table = Table(title=f"{engine.model_name} ({engine.config.dtype}) on {dev}; "
+                        f"copy bandwidth {bw / 1e9:.1f} GB/s")
     for col in ("engine", "prompt", "gen", "TTFT ms", "prefill tok/s", "decode tok/s", "% BW bound"):
         table.add_column(col, justify="right")
     rows = []
@@ -161,10 +241,9 @@ def run_bench(a: argparse.Namespace) -> int:
         table.add_row(*row)
         rows.append(row)
     console.print(table)
-    if a.out:
-        with open(a.out, "a") as f:
+    if out:
+        with open(out, "a") as f:
             f.write(f"\n{table.title}\n\n| " + " | ".join(c.header for c in table.columns) + " |\n")
             f.write("|" + "---|" * len(table.columns) + "\n")
             for row in rows:
                 f.write("| " + " | ".join(row) + " |\n")
-    return 0

@@ -48,8 +48,18 @@ class _SeqOut:
     output_ids: list[int] = field(default_factory=list)
 
 
+class _NoDetok:
+    """Stands in for the detokenizer of a model run without a tokenizer (benchmarks)."""
+
+    def push(self, token_id: int) -> str:
+        return ""
+
+    def flush(self) -> str:
+        return ""
+
+
 class Engine:
-    def __init__(self, model: torch.nn.Module, tokenizer: Tokenizer, config: EngineConfig,
+    def __init__(self, model: torch.nn.Module, tokenizer: Tokenizer | None, config: EngineConfig,
                  model_name: str = "model", max_model_len: int | None = None):
         self.model = model
         self.tokenizer = tokenizer
@@ -111,13 +121,15 @@ class Engine:
         if p.temperature > 0:
             gen = torch.Generator(device="cpu")
             gen.manual_seed(p.seed if p.seed is not None else int.from_bytes(os.urandom(8), "little"))
-        stop_ids = frozenset(p.stop_token_ids) | (frozenset() if p.ignore_eos
-                                                   else self.tokenizer.eos_token_ids)
+        eos = self.tokenizer.eos_token_ids if self.tokenizer is not None else frozenset()
+        stop_ids = frozenset(p.stop_token_ids) | (frozenset() if p.ignore_eos else eos)
         grammar = req.grammar.new_state() if req.grammar is not None else None
         seq = Sequence(request=req, tokens=list(req.prompt_token_ids), prompt_len=n)
         self._seqs[req.request_id] = seq
         self._outs[req.request_id] = _SeqOut(
-            detok=IncrementalDetokenizer(self.tokenizer, skip_special_tokens=True), stops=StopChecker(list(p.stop)),
+            detok=(IncrementalDetokenizer(self.tokenizer, skip_special_tokens=True)
+                   if self.tokenizer is not None else _NoDetok()),
+            stops=StopChecker(list(p.stop)),
             generator=gen, grammar=grammar, stop_ids=stop_ids)
         self.scheduler.add(seq)
 

@@ -67,6 +67,8 @@ class DensePagedAttention:
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
         self.store.write(layer, meta.slot_mapping, k, v)
+        if len(meta.query_start_loc) - 1 == q.shape[0] and meta.num_seqs > 1:
+            return self._decode_batch(layer, q, meta)  # every sequence brings one new token
         out = torch.empty_like(q)
         ps = self.store.page_size
         qsl = meta.query_start_loc
@@ -80,6 +82,30 @@ class DensePagedAttention:
         return out
 
 
+    def _decode_batch(self, layer: int, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """All rows are decodes: one padded SDPA call over every sequence's pages.
+
+        q: [B, Hq, D] -> [B, Hq, D]; keys beyond seq_lens[b] are masked out.
+        """
+        ps = self.store.page_size
+        n_pages = [(n + ps - 1) // ps for n in meta.seq_lens]
+        max_p = max(n_pages)
+        table = torch.zeros(meta.num_seqs, max_p, dtype=torch.long)
+        for b, pt in enumerate(meta.page_tables):
+            table[b, :n_pages[b]] = torch.tensor(pt[:n_pages[b]], dtype=torch.long)
+        table = table.to(q.device)
+        kp, vp = self.store.read(layer, table.flatten())  # [B*max_p, Hkv, ps, D]
+        bsz, hkv, d = meta.num_seqs, kp.shape[1], kp.shape[3]
+        kk = kp.view(bsz, max_p, hkv, ps, d).permute(0, 2, 1, 3, 4).reshape(bsz, hkv, max_p * ps, d)
+        vv = vp.view(bsz, max_p, hkv, ps, d).permute(0, 2, 1, 3, 4).reshape(bsz, hkv, max_p * ps, d)
+        lens = torch.tensor(meta.seq_lens, device=q.device)
+        mask = torch.arange(max_p * ps, device=q.device)[None, :] < lens[:, None]  # [B, L]
+        qq = q.unsqueeze(2).to(kk.dtype)  # [B, Hq, 1, D]
+        o = F.scaled_dot_product_attention(qq, kk, vv, attn_mask=mask[:, None, None, :],
+                                           scale=self.scale, enable_gqa=q.shape[1] != hkv)
+        return o.squeeze(2).to(q.dtype)
+
+
 def attend_one(q: torch.Tensor, kp: torch.Tensor, vp: torch.Tensor, ctx: int, n_new: int,
                scale: float) -> torch.Tensor:
     """Causal attention of one sequence's new rows over its paged context.
@@ -89,17 +115,14 @@ def attend_one(q: torch.Tensor, kp: torch.Tensor, vp: torch.Tensor, ctx: int, n_
     hq, hkv, d = q.shape[1], kp.shape[1], kp.shape[3]
     kk = kp.permute(1, 0, 2, 3).reshape(hkv, -1, d)[:, :ctx]  # [Hkv, ctx, D]
     vv = vp.permute(1, 0, 2, 3).reshape(hkv, -1, d)[:, :ctx]
-    qq = q.transpose(0, 1)  # [Hq, n_new, D]
-    if hq != hkv:  # grouped-query attention: share each kv head across its group
-        kk = kk.repeat_interleave(hq // hkv, dim=0)
-        vv = vv.repeat_interleave(hq // hkv, dim=0)
-    qq, kk, vv = qq.to(kk.dtype) if qq.dtype != kk.dtype else qq, kk, vv
+    qq = q.transpose(0, 1).to(kk.dtype)  # [Hq, n_new, D]
+    gqa = hq != hkv  # grouped-query attention: each kv head serves hq/hkv query heads
     if n_new == 1:
-        o = F.scaled_dot_product_attention(qq, kk, vv, scale=scale)
+        o = F.scaled_dot_product_attention(qq, kk, vv, scale=scale, enable_gqa=gqa)
     else:
         # row i sits at position ctx - n_new + i and sees keys <= that position
         rows = torch.arange(ctx - n_new, ctx, device=q.device)[:, None]
         cols = torch.arange(ctx, device=q.device)[None, :]
         mask = cols <= rows  # [n_new, ctx]
-        o = F.scaled_dot_product_attention(qq, kk, vv, attn_mask=mask, scale=scale)
+        o = F.scaled_dot_product_attention(qq, kk, vv, attn_mask=mask, scale=scale, enable_gqa=gqa)
     return o.transpose(0, 1).to(q.dtype)
