@@ -1,0 +1,141 @@
+"""Llama / Qwen2 / Qwen3 decoder: pure forward(tokens, positions, AttentionMetadata) -> logits.
+
+One class covers the three architectures; they differ only in facts carried by
+ModelSpec: Qwen2 adds biases to the q/k/v projections (`attention_bias`), Qwen3
+RMS-normalises q and k per head before rotary (`qk_norm`). The model never
+touches the KV cache itself: each layer hands q/k/v to the attention backend,
+which stores K/V in pages and attends.
+
+Weights are taken with Hugging Face's tensor names (registry.expected_shapes);
+q/k/v and gate/up are concatenated at load so each layer runs four matmuls.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from kvtier.config import ModelSpec
+from kvtier.layers.attention import AttentionBackend, AttentionMetadata
+from kvtier.layers.linear import FusedLinear, Linear
+from kvtier.layers.mlp import GatedMLP
+from kvtier.layers.norm import RMSNorm
+from kvtier.layers.rotary import RotaryEmbedding, apply_rotary
+from kvtier.models.registry import expected_shapes, optional_shapes
+
+# Activation/weight dtypes the decoder runs in (quantized weights are dequantised by the loader).
+COMPUTE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# How many offending tensor names a ValueError lists before eliding the rest.
+MAX_NAMES_IN_ERROR = 8
+
+
+def check_tensors(spec: ModelSpec, tensors: dict[str, torch.Tensor]) -> None:
+    """Raise ValueError naming missing, unexpected or mis-shaped tensors."""
+    want = expected_shapes(spec)
+    allowed = want | optional_shapes(spec)
+    problems: list[str] = []
+    missing = [n for n in want if n not in tensors]
+    extra = [n for n in tensors if n not in allowed]
+    bad = [f"{n} has shape {tuple(tensors[n].shape)}, expected {allowed[n]}"
+           for n in tensors if n in allowed and tuple(tensors[n].shape) != allowed[n]]
+    for label, names in (("missing tensors", missing), ("unexpected tensors", extra), ("bad shapes", bad)):
+        if names:
+            shown = ", ".join(names[:MAX_NAMES_IN_ERROR])
+            more = f" (+{len(names) - MAX_NAMES_IN_ERROR} more)" if len(names) > MAX_NAMES_IN_ERROR else ""
+            problems.append(f"{label}: {shown}{more}")
+    if problems:
+        arch = spec.name or spec.arch
+        raise ValueError(f"checkpoint does not match the {arch} model spec: " + "; ".join(problems))
+
+
+class DecoderLayer(torch.nn.Module):
+    """Pre-norm block: h += o(attn(rope(qkv(norm(h))))); h += mlp(norm(h))."""
+
+    def __init__(self, spec: ModelSpec, w: dict[str, torch.Tensor]):
+        """w: this layer's tensors keyed by the name after 'model.layers.{i}.'."""
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
+        eps = spec.rms_norm_eps
+        a = "self_attn."
+        biases = ([w[a + f"{p}_proj.bias"] for p in "qkv"] if spec.attention_bias else None)
+        self.qkv = FusedLinear([w[a + f"{p}_proj.weight"] for p in "qkv"], biases)
+        self.o_proj = Linear(w[a + "o_proj.weight"], w.get(a + "o_proj.bias"))
+        self.q_norm = RMSNorm(w[a + "q_norm.weight"], eps) if spec.qk_norm else None
+        self.k_norm = RMSNorm(w[a + "k_norm.weight"], eps) if spec.qk_norm else None
+        self.input_norm = RMSNorm(w["input_layernorm.weight"], eps)
+        self.post_norm = RMSNorm(w["post_attention_layernorm.weight"], eps)
+        self.mlp = GatedMLP(w["mlp.gate_proj.weight"], w["mlp.up_proj.weight"], w["mlp.down_proj.weight"])
+
+    def forward(self, layer_idx: int, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                meta: AttentionMetadata, backend: AttentionBackend) -> torch.Tensor:
+        """h: [T, H]; cos/sin: [T, 1, D] (RotaryEmbedding) -> [T, H]"""
+        t, hq, hkv, d = h.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
+        qkv = self.qkv(self.input_norm(h))  # [T, (Hq + 2 Hkv) * D]
+        v = qkv[:, (hq + hkv) * d:].view(t, hkv, d)  # [T, Hkv, D]
+        if self.q_norm is not None and self.k_norm is not None:
+            q = apply_rotary(self.q_norm(qkv[:, :hq * d].view(t, hq, d)), cos, sin)  # [T, Hq, D]
+            k = apply_rotary(self.k_norm(qkv[:, hq * d:(hq + hkv) * d].view(t, hkv, d)), cos, sin)
+        else:  # q and k heads are adjacent: rotate them in one pass
+            qk = apply_rotary(qkv[:, :(hq + hkv) * d].view(t, hq + hkv, d), cos, sin)
+            q, k = qk[:, :hq], qk[:, hq:]
+        o = backend.forward(layer_idx, q, k, v, meta)  # [T, Hq, D]
+        h = self.o_proj.add_to(h, o.reshape(t, hq * d))
+        return self.mlp(self.post_norm(h), residual=h)
+
+
+class Decoder(torch.nn.Module):
+    """Causal decoder over packed varlen tokens (see kvtier/layers/attention.py)."""
+
+    def __init__(self, spec: ModelSpec, tensors: dict[str, torch.Tensor], dtype: torch.dtype,
+                 device: torch.device | str):
+        """Prefer `from_tensors`, which validates names and shapes first."""
+        super().__init__()
+        self.spec = spec
+        self.dtype = dtype
+        self.embed = torch.nn.Parameter(tensors["model.embed_tokens.weight"].contiguous(), requires_grad=False)
+        if spec.tie_word_embeddings:
+            self.lm_head = self.embed  # [V, H], shared storage
+        else:
+            self.lm_head = torch.nn.Parameter(tensors["lm_head.weight"].contiguous(), requires_grad=False)
+        self.norm = RMSNorm(tensors["model.norm.weight"], spec.rms_norm_eps)
+        layers = []
+        for i in range(spec.num_layers):
+            p = f"model.layers.{i}."
+            layers.append(DecoderLayer(spec, {n[len(p):]: t for n, t in tensors.items() if n.startswith(p)}))
+        self.layers = torch.nn.ModuleList(layers)
+        self.rotary = RotaryEmbedding(spec.head_dim, spec.rope_theta, spec.max_position_embeddings,
+                                      spec.rope_scaling, dtype=dtype, device=device)
+
+    @classmethod
+    def from_tensors(cls, spec: ModelSpec, tensors: dict[str, torch.Tensor], dtype: torch.dtype,
+                     device: torch.device | str) -> "Decoder":
+        """Build from HF-named tensors; ValueError names any missing/extra/mis-shaped tensor."""
+        if dtype not in COMPUTE_DTYPES:
+            raise ValueError(f"decoder dtype must be one of {COMPUTE_DTYPES}, got {dtype}")
+        check_tensors(spec, tensors)
+        bad = [n for n, t in tensors.items() if not t.is_floating_point()]
+        if bad:
+            raise ValueError(f"tensor {bad[0]} is {tensors[bad[0]].dtype}; the loader must dequantise to float")
+        cast = {n: t.to(device=device, dtype=dtype) for n, t in tensors.items()}
+        with torch.device(device):
+            return cls(spec, cast, dtype, device)
+
+    @property
+    def kv_shape(self) -> tuple[int, int, int]:
+        """(num_layers, num_kv_heads, head_dim): what a PagePool must hold per token."""
+        return self.spec.num_layers, self.spec.num_kv_heads, self.spec.head_dim
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                backend: AttentionBackend) -> torch.Tensor:
+        """input_ids, positions: [T] int64 (packed) -> logits [N, vocab] fp32 for meta.logits_indices.
+
+        positions must agree with meta (row i of seq b at seq_lens[b] - n_new_b + i); the
+        largest one is taken from meta.seq_lens so no device sync is needed.
+        """
+        h = F.embedding(input_ids, self.embed)  # [T, H]
+        cos, sin = self.rotary(positions, max_pos=max(meta.seq_lens) - 1)
+        for i, layer in enumerate(self.layers):
+            h = layer(i, h, cos, sin, meta, backend)
+        h = self.norm(h.index_select(0, meta.logits_indices))  # [N, H]
+        return F.linear(h, self.lm_head).float()  # [N, V]
