@@ -1,61 +1,276 @@
 """KV storage formats: how one page of K and V is laid out in memory.
 
 A format owns dtype, scales and bytes per page; the pool allocates what the
-format asks for and calls pack/unpack. Page storage is
-`[num_pages, kv_heads, page_size, head_dim]` per layer for K and for V.
+format asks for (`layout`) and calls store/load. Every stored tensor has a
+leading page axis, so pools can move pages generically:
+
+    "k", "v"              [num_pages, kv_heads, page_size, head_dim (or packed width)]
+    "k_scale", "v_scale"  [num_pages, kv_heads, page_size, n_scales]   (quantized formats)
+
+K and V are each encoded by a `Codec` (per (token, head) row of head_dim
+values). The codecs here are the plain-PyTorch reference; on CUDA the formats
+call the Triton kernels of kvtier/kernels/kv_quant.py, which match them.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
 
 import torch
 
+# Largest finite float8 e4m3 value: amax maps to it.
+FP8_E4M3_MAX = 448.0
+INT8_MAX = 127
+INT4_MAX = 7  # symmetric int4 codes in [-7, 7] (stored biased by 8 in a nibble)
+INT4_BIAS = 8
+# Values per int4 scale along head_dim (a power of two): small enough to follow outliers, large
+# enough that the fp16 scale costs 0.5 bit per value.
+INT4_GROUP = 32
+# Scales are fp16; clamp to its smallest normal so an all-zero row never divides by 0.
+SCALE_DTYPE = torch.float16
+MIN_SCALE = 2.0 ** -14
 
-class KVFormat:
-    """Base: uncompressed storage in `dtype`."""
+Parts = dict[str, torch.Tensor]
 
-    name = "base"
 
+def _row_scale(x: torch.Tensor, qmax: float) -> torch.Tensor:
+    """x: [..., n] -> scale [..., 1] in SCALE_DTYPE such that |x| / scale <= qmax."""
+    amax = x.abs().amax(dim=-1, keepdim=True).float()
+    return (amax / qmax).clamp_min(MIN_SCALE).to(SCALE_DTYPE)
+
+
+def round_half_up(x: torch.Tensor) -> torch.Tensor:
+    """floor(x + 0.5): the rounding the Triton kernels use too (bit-identical codes)."""
+    return torch.floor(x + 0.5)
+
+
+class Codec:
+    """Encodes rows of head_dim values; `parts(head_dim)` names the stored tensors."""
+
+    def parts(self, head_dim: int) -> dict[str, tuple[int, torch.dtype]]:
+        """suffix -> (last-axis width, dtype) of each stored tensor."""
+        raise NotImplementedError
+
+    def head_dim(self, width: int) -> int:
+        """head_dim stored in a data row of `width` elements."""
+        return width
+
+    def encode(self, x: torch.Tensor) -> Parts:
+        """x: [..., D] -> {suffix: [..., width]}."""
+        raise NotImplementedError
+
+    def decode(self, parts: Parts, out_dtype: torch.dtype) -> torch.Tensor:
+        """{suffix: [..., width]} -> [..., D] in out_dtype."""
+        raise NotImplementedError
+
+
+class PlainCodec(Codec):
     def __init__(self, dtype: torch.dtype):
         self.dtype = dtype
 
+    def parts(self, head_dim: int) -> dict[str, tuple[int, torch.dtype]]:
+        return {"": (head_dim, self.dtype)}
+
+    def encode(self, x: torch.Tensor) -> Parts:
+        return {"": x.to(self.dtype)}
+
+    def decode(self, parts: Parts, out_dtype: torch.dtype) -> torch.Tensor:
+        return parts[""].to(out_dtype)
+
+
+class Int8Codec(Codec):
+    """Symmetric int8, one fp16 scale per (token, head)."""
+
+    def parts(self, head_dim: int) -> dict[str, tuple[int, torch.dtype]]:
+        return {"": (head_dim, torch.int8), "_scale": (1, SCALE_DTYPE)}
+
+    def encode(self, x: torch.Tensor) -> Parts:
+        scale = _row_scale(x, INT8_MAX)
+        q = round_half_up(x.float() / scale.float()).clamp(-INT8_MAX, INT8_MAX)
+        return {"": q.to(torch.int8), "_scale": scale}
+
+    def decode(self, parts: Parts, out_dtype: torch.dtype) -> torch.Tensor:
+        return (parts[""].float() * parts["_scale"].float()).to(out_dtype)
+
+
+class Fp8Codec(Codec):
+    """float8 e4m3 (stored as raw bytes), one fp16 scale per (token, head)."""
+
+    def parts(self, head_dim: int) -> dict[str, tuple[int, torch.dtype]]:
+        return {"": (head_dim, torch.uint8), "_scale": (1, SCALE_DTYPE)}
+
+    def encode(self, x: torch.Tensor) -> Parts:
+        scale = _row_scale(x, FP8_E4M3_MAX)
+        y = (x.float() / scale.float()).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX)
+        return {"": y.to(torch.float8_e4m3fn).view(torch.uint8), "_scale": scale}
+
+    def decode(self, parts: Parts, out_dtype: torch.dtype) -> torch.Tensor:
+        y = parts[""].view(torch.float8_e4m3fn).float()
+        return (y * parts["_scale"].float()).to(out_dtype)
+
+
+class Int4Codec(Codec):
+    """Symmetric int4 with one fp16 scale per group of `group` values, two codes per byte.
+
+    Byte i of a row holds code 2i in its low nibble and code 2i+1 in its high
+    nibble; codes are stored biased (q + 8).
+    """
+
+    def __init__(self, group: int = INT4_GROUP):
+        if group < 2 or group & (group - 1):
+            raise ValueError(f"int4 group size must be a power of two >= 2, got {group}")
+        self.group = group
+
+    def group_for(self, head_dim: int) -> int:
+        """Largest power of two <= `group` dividing head_dim (80 -> 16): kernels need 2^k groups."""
+        if head_dim % 2:
+            raise ValueError(f"int4 KV packs two values a byte: head_dim must be even, got {head_dim}")
+        return math.gcd(self.group, head_dim)
+
+    def head_dim(self, width: int) -> int:
+        return 2 * width
+
+    def parts(self, head_dim: int) -> dict[str, tuple[int, torch.dtype]]:
+        return {"": (head_dim // 2, torch.uint8), "_scale": (head_dim // self.group_for(head_dim), SCALE_DTYPE)}
+
+    def encode(self, x: torch.Tensor) -> Parts:
+        d = x.shape[-1]
+        g = self.group_for(d)
+        xg = x.float().reshape(*x.shape[:-1], d // g, g)  # [..., G, g]
+        scale = _row_scale(xg, INT4_MAX)  # [..., G, 1]
+        q = round_half_up(xg / scale.float()).clamp(-INT4_MAX, INT4_MAX) + INT4_BIAS
+        q = q.to(torch.uint8).reshape(*x.shape[:-1], d // 2, 2)
+        packed = q[..., 0] | (q[..., 1] << 4)  # [..., D/2]
+        return {"": packed, "_scale": scale.squeeze(-1)}
+
+    def decode(self, parts: Parts, out_dtype: torch.dtype) -> torch.Tensor:
+        packed, scale = parts[""], parts["_scale"]  # [..., D/2], [..., G]
+        lo = (packed & 0xF).to(torch.int16) - INT4_BIAS
+        hi = (packed >> 4).to(torch.int16) - INT4_BIAS
+        q = torch.stack((lo, hi), dim=-1).reshape(*packed.shape[:-1], -1).float()  # [..., D]
+        d, n_groups = q.shape[-1], scale.shape[-1]
+        q = q.reshape(*q.shape[:-1], n_groups, d // n_groups) * scale.float().unsqueeze(-1)
+        return q.reshape(*packed.shape[:-1], d).to(out_dtype)
+
+
+class KVFormat:
+    """A K codec and a V codec; store/load rows of pages. Base of every format."""
+
+    name = "base"
+
+    def __init__(self, k_codec: Codec, v_codec: Codec):
+        self.k_codec = k_codec
+        self.v_codec = v_codec
+
+    @property
+    def quantized(self) -> bool:
+        return not isinstance(self.k_codec, PlainCodec) or not isinstance(self.v_codec, PlainCodec)
+
+    def layout(self, kv_heads: int, page_size: int, head_dim: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """name -> (per-page shape, dtype) of every tensor a page of one layer needs."""
+        out: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
+        for kv, codec in (("k", self.k_codec), ("v", self.v_codec)):
+            for suffix, (width, dtype) in codec.parts(head_dim).items():
+                out[kv + suffix] = ((kv_heads, page_size, width), dtype)
+        return out
+
+    def head_dim_of(self, st: dict[str, torch.Tensor]) -> int:
+        """head_dim of a layer's storage (the K data row may be packed)."""
+        return self.k_codec.head_dim(st["k"].shape[-1])
+
     def bytes_per_token(self, kv_heads: int, head_dim: int) -> float:
-        """Bytes of K+V for one token of one layer."""
-        return 2 * kv_heads * head_dim * torch.finfo(self.dtype).bits / 8
+        """Bytes of K+V (with scales) for one token of one layer."""
+        lay = self.layout(kv_heads, 1, head_dim)
+        return float(sum(torch.Size(s).numel() * torch.empty((), dtype=d).element_size() for s, d in lay.values()))
 
     def allocate(self, num_pages: int, kv_heads: int, page_size: int, head_dim: int,
                  device: torch.device, pin: bool = False) -> dict[str, torch.Tensor]:
-        shape = (num_pages, kv_heads, page_size, head_dim)
-        return {
-            "k": torch.zeros(shape, dtype=self.dtype, device=device, pin_memory=pin),
-            "v": torch.zeros(shape, dtype=self.dtype, device=device, pin_memory=pin),
-        }
+        pin = pin and device.type == "cpu" and torch.cuda.is_available()
+        return {name: torch.zeros((num_pages, *shape), dtype=dtype, device=device, pin_memory=pin)
+                for name, (shape, dtype) in self.layout(kv_heads, page_size, head_dim).items()}
 
     def store(self, st: dict[str, torch.Tensor], slots: torch.Tensor, k: torch.Tensor,
               v: torch.Tensor) -> None:
-        """slots: [T] int64 flat slot ids; k, v: [T, H, D]."""
-        p, h, s, d = st["k"].shape
+        """slots: [T] int64 flat slot ids (page * page_size + offset); k, v: [T, H, D]."""
+        if slots.device.type == "cuda":
+            from kvtier.kernels import kv_quant
+            if kv_quant.store_rows(self, st, slots, k, v):
+                return
+        s = st["k"].shape[2]
         pages, offs = slots // s, slots % s
-        st["k"][pages, :, offs] = k.to(self.dtype)
-        st["v"][pages, :, offs] = v.to(self.dtype)
+        for kv, codec, x in (("k", self.k_codec, k), ("v", self.v_codec, v)):
+            for suffix, part in codec.encode(x).items():
+                st[kv + suffix][pages, :, offs] = part
 
     def load(self, st: dict[str, torch.Tensor], page_ids: torch.Tensor,
              out_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """page_ids: [P] -> k, v: [P, H, S, D] in out_dtype."""
-        return st["k"][page_ids].to(out_dtype), st["v"][page_ids].to(out_dtype)
+        if page_ids.device.type == "cuda":
+            from kvtier.kernels import kv_quant
+            got = kv_quant.load_pages(self, st, page_ids, out_dtype)
+            if got is not None:
+                return got
+        out = []
+        for kv, codec in (("k", self.k_codec), ("v", self.v_codec)):
+            parts = {name[len(kv):]: t[page_ids] for name, t in st.items() if name.startswith(kv)}
+            out.append(codec.decode(parts, out_dtype))
+        return out[0], out[1]
 
 
 class PlainFormat(KVFormat):
     """fp32 / bf16 / fp16 storage, no quantization."""
 
     def __init__(self, dtype: torch.dtype):
-        super().__init__(dtype)
+        super().__init__(PlainCodec(dtype), PlainCodec(dtype))
+        self.dtype = dtype
         self.name = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
 
 
+class Fp8Format(KVFormat):
+    """K and V in float8 e4m3, per-(token, head) scale: ~2x smaller than bf16."""
+
+    name = "fp8"
+
+    def __init__(self) -> None:
+        super().__init__(Fp8Codec(), Fp8Codec())
+
+
+class Int8Format(KVFormat):
+    """K and V symmetric int8, per-(token, head) scale: ~2x smaller than bf16."""
+
+    name = "int8"
+
+    def __init__(self) -> None:
+        super().__init__(Int8Codec(), Int8Codec())
+
+
+class K8V4Format(KVFormat):
+    """K int8 (attention scores are sensitive to K), V int4 group-wise: ~2.6x smaller."""
+
+    name = "k8v4"
+
+    def __init__(self, group: int = INT4_GROUP) -> None:
+        super().__init__(Int8Codec(), Int4Codec(group))
+
+
+class Int4Format(KVFormat):
+    """K and V int4 group-wise, packed two per byte: ~3.5x smaller than bf16."""
+
+    name = "int4"
+
+    def __init__(self, group: int = INT4_GROUP) -> None:
+        super().__init__(Int4Codec(group), Int4Codec(group))
+
+
+FORMAT_NAMES = ("fp32", "bf16", "fp16", "fp8", "int8", "k8v4", "int4")
+
+
 def make_format(name: str) -> KVFormat:
+    """KV format by name (one of FORMAT_NAMES)."""
     plain = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
     if name in plain:
         return PlainFormat(plain[name])
-    raise ValueError(f"unknown KV format {name!r}")
+    quant = {"fp8": Fp8Format, "int8": Int8Format, "k8v4": K8V4Format, "int4": Int4Format}
+    if name in quant:
+        return quant[name]()
+    raise ValueError(f"unknown KV format {name!r} (choose from {', '.join(FORMAT_NAMES)})")

@@ -2,9 +2,15 @@
 
 The pool owns storage (through its KVFormat); it does not know which
 sequence owns a page: that bookkeeping is kv/manager.py, torch-free.
+
+Per layer, every tensor of the format's layout has a leading page axis:
+`[num_pages, kv_heads, page_size, ...]`, so moving pages between pools is
+format-agnostic: gather -> copy -> scatter per tensor.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 
@@ -12,9 +18,15 @@ from kvtier.kv.formats import KVFormat
 
 
 class PagePool:
+    """K/V page storage of all layers on one device (GPU, or pinned host memory)."""
+
     def __init__(self, fmt: KVFormat, num_layers: int, num_pages: int, kv_heads: int,
                  page_size: int, head_dim: int, device: torch.device | str,
                  compute_dtype: torch.dtype = torch.float32, pin: bool = False):
+        for name, val in (("num_layers", num_layers), ("num_pages", num_pages), ("kv_heads", kv_heads),
+                          ("page_size", page_size), ("head_dim", head_dim)):
+            if val < 1:
+                raise ValueError(f"PagePool {name} must be >= 1, got {val}")
         self.fmt = fmt
         self.num_layers = num_layers
         self.num_pages = num_pages
@@ -23,14 +35,120 @@ class PagePool:
         self.head_dim = head_dim
         self.device = torch.device(device)
         self.compute_dtype = compute_dtype
-        self.layers = [fmt.allocate(num_pages, kv_heads, page_size, head_dim, self.device, pin)
-                       for _ in range(num_layers)]
+        # One tensor per layout name holds every layer ([L, P, ...]) so page copies move all
+        # layers in one gather/copy/scatter; layers[i][name] is its contiguous view [P, ...].
+        flat = fmt.allocate(num_pages * num_layers, kv_heads, page_size, head_dim, self.device, pin)
+        self.storage = {name: t.view(num_layers, num_pages, *t.shape[1:]) for name, t in flat.items()}
+        self.layers = [{name: t[i] for name, t in self.storage.items()} for i in range(num_layers)]
+        self._copy_stream: torch.cuda.Stream | None = None
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """slots: [T] int64 (page * page_size + offset); k, v: [T, kv_heads, head_dim]."""
         self.fmt.store(self.layers[layer], slots, k, v)
 
     def read(self, layer: int, page_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """page_ids: [P] -> k, v: [P, kv_heads, page_size, head_dim] in compute_dtype."""
         return self.fmt.load(self.layers[layer], page_ids, self.compute_dtype)
+
+    def bytes_per_page(self) -> int:
+        """Bytes one page takes across all layers (K, V and scales)."""
+        return int(self.fmt.bytes_per_token(self.kv_heads, self.head_dim)) * self.page_size * self.num_layers
 
     def bytes_total(self) -> int:
         return sum(t.numel() * t.element_size() for st in self.layers for t in st.values())
+
+    def check_integrity(self) -> None:
+        """Raise ValueError if any stored tensor disagrees with the format's layout."""
+        want = self.fmt.layout(self.kv_heads, self.page_size, self.head_dim)
+        if len(self.layers) != self.num_layers or set(self.storage) != set(want):
+            raise ValueError(f"pool has {len(self.layers)} layers, expected {self.num_layers}")
+        for i, st in enumerate(self.layers):
+            if set(st) != set(want):
+                raise ValueError(f"layer {i} tensors {sorted(st)} != format layout {sorted(want)}")
+            for name, (shape, dtype) in want.items():
+                t = st[name]
+                if tuple(t.shape) != (self.num_pages, *shape) or t.dtype != dtype or t.device != self.device:
+                    raise ValueError(f"layer {i} {name}: {tuple(t.shape)} {t.dtype} on {t.device}, expected "
+                                     f"{(self.num_pages, *shape)} {dtype} on {self.device}")
+                if t.data_ptr() != self.storage[name][i].data_ptr() or not t.is_contiguous():
+                    raise ValueError(f"layer {i} {name} is not the contiguous view of the pool storage")
+        if self.bytes_total() != self.bytes_per_page() * self.num_pages:
+            raise ValueError("bytes_total disagrees with bytes_per_page * num_pages")
+
+    def compatible_with(self, other: PagePool) -> bool:
+        return (self.fmt.name == other.fmt.name and self.num_layers == other.num_layers
+                and self.kv_heads == other.kv_heads and self.page_size == other.page_size
+                and self.head_dim == other.head_dim)
+
+    def copy_to(self, dst: PagePool, src_ids: Sequence[int] | torch.Tensor,
+                dst_ids: Sequence[int] | torch.Tensor) -> None:
+        """Copy pages `src_ids` of this pool into pages `dst_ids` of `dst`, batched.
+
+        Per layer and tensor: one gather into a staging buffer, one device copy,
+        one scatter; never per-page copies. `dst_ids` must be distinct. With a
+        CUDA side the copies run on a dedicated stream that first waits for the
+        current stream; the current stream then waits for them, so the next
+        forward sees the pages. GPU->host returns after the host pages are written.
+        """
+        src_idx, dst_idx = self._check_copy(dst, src_ids, dst_ids)
+        if src_idx.numel() == 0:
+            return
+        cuda_dev = next((p.device for p in (self, dst) if p.device.type == "cuda"), None)
+        if cuda_dev is None:
+            self._copy_layers(dst, src_idx, dst_idx, non_blocking=False)
+            return
+        stream = self._stream(cuda_dev)
+        stream.wait_stream(torch.cuda.current_stream(cuda_dev))
+        with torch.cuda.stream(stream):
+            self._copy_layers(dst, src_idx, dst_idx, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(stream)
+        torch.cuda.current_stream(cuda_dev).wait_event(done)
+
+    def _copy_layers(self, dst: PagePool, src_idx: torch.Tensor, dst_idx: torch.Tensor,
+                     non_blocking: bool) -> None:
+        """Per layout tensor, all layers at once: gather [L, n, ...] -> copy -> scatter."""
+        s_idx = src_idx.to(self.device, non_blocking=non_blocking)
+        d_idx = dst_idx.to(dst.device, non_blocking=non_blocking)
+        to_host = dst.device.type == "cpu" and self.device.type == "cuda"
+        staged_host: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for name, src_t in self.storage.items():  # src_t: [L, P, H, S, ...]
+            pin = self.device.type == "cpu" and dst.device.type == "cuda"
+            staged = torch.empty((src_t.shape[0], s_idx.numel(), *src_t.shape[2:]), dtype=src_t.dtype,
+                                 device=self.device, pin_memory=pin)  # [L, n, H, S, ...]
+            torch.index_select(src_t, 1, s_idx, out=staged)
+            if to_host:  # device->host lands in pinned memory, else the copy is synchronous
+                moved = torch.empty(staged.shape, dtype=staged.dtype, pin_memory=True)
+                moved.copy_(staged, non_blocking=True)
+                staged_host.append((dst.storage[name], moved))
+            else:
+                dst.storage[name].index_copy_(1, d_idx, staged.to(dst.device, non_blocking=non_blocking))
+        if to_host:  # the host scatter must wait for the device->host copies
+            torch.cuda.current_stream(self.device).synchronize()
+            for t, moved in staged_host:
+                t.index_copy_(1, d_idx, moved)
+
+    def _check_copy(self, dst: PagePool, src_ids: Sequence[int] | torch.Tensor,
+                    dst_ids: Sequence[int] | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.compatible_with(dst):
+            raise ValueError("copy_to between pools of different format or page geometry")
+        src_idx = torch.as_tensor(src_ids, dtype=torch.long).cpu().reshape(-1)
+        dst_idx = torch.as_tensor(dst_ids, dtype=torch.long).cpu().reshape(-1)
+        if src_idx.numel() != dst_idx.numel():
+            raise ValueError(f"copy_to: {src_idx.numel()} source pages but {dst_idx.numel()} destinations")
+        if src_idx.numel() == 0:
+            return src_idx, dst_idx
+        if int(src_idx.min()) < 0 or int(src_idx.max()) >= self.num_pages:
+            raise ValueError(f"copy_to: source page ids out of range [0, {self.num_pages})")
+        if int(dst_idx.min()) < 0 or int(dst_idx.max()) >= dst.num_pages:
+            raise ValueError(f"copy_to: destination page ids out of range [0, {dst.num_pages})")
+        if dst is self and bool((src_idx[:, None] == dst_idx[None, :]).any()):
+            raise ValueError("copy_to within one pool: source and destination pages overlap")
+        if torch.unique(dst_idx).numel() != dst_idx.numel():
+            raise ValueError("copy_to: destination page ids must be distinct")
+        return src_idx, dst_idx
+
+    def _stream(self, device: torch.device) -> torch.cuda.Stream:
+        if self._copy_stream is None:
+            self._copy_stream = torch.cuda.Stream(device)
+        return self._copy_stream

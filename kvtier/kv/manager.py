@@ -1,0 +1,456 @@
+"""CacheManager: sequences -> page ids across the GPU and host tiers. Torch-free.
+
+Plain Python over integer page ids; the tensors live in PagePools owned by the
+runner, which executes the `Transfers` this class queues.
+
+Every GPU page is in exactly one state:
+
+    free    on the free list, holds nothing
+    used    refcount > 0: in the page table of >= 1 live sequence
+    cached  refcount 0 but indexed (a full page of a finished prefix), in the
+            LRU; evictable: dropped, or copied down to the host tier first
+
+Every host page is free, cached (holds an indexed node's KV, in the host LRU)
+or pinned (the source of a queued host->GPU copy, until `take_transfers`).
+
+A sequence's page table, with prefix hits at the front:
+
+    | hit (gpu) | hit (host->gpu) | computed here ...        | partial |
+    0           matched pages     committed full pages       num_tokens
+
+Ordering contract for the runner: run `gpu_to_host` copies first, then
+`host_to_gpu`, then the forward. A GPU page is returned to the free list as
+soon as its copy-down is queued, so it may be reused in the same step.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+from kvtier.kv.prefix import PrefixIndex, PrefixNode
+
+
+@dataclass
+class Transfers:
+    """Page copies the runner performs (batched) before the step's forward."""
+
+    host_to_gpu: list[tuple[int, int]] = field(default_factory=list)  # (host id, gpu id)
+    gpu_to_host: list[tuple[int, int]] = field(default_factory=list)  # (gpu id, host id)
+
+    def __bool__(self) -> bool:
+        return bool(self.host_to_gpu or self.gpu_to_host)
+
+
+@dataclass
+class _Seq:
+    pages: list[int]  # GPU page ids in order
+    chain: list[PrefixNode]  # prefix nodes of this seq's first full pages, in order
+    namespace: str
+    indexing: bool = True  # False once the chain broke (parent evicted): stop indexing
+
+
+class CacheManager:
+    """Page tables, refcounts, prefix hits and two-tier eviction for all sequences."""
+
+    def __init__(self, num_gpu_pages: int, page_size: int, num_host_pages: int = 0,
+                 enable_prefix: bool = True, namespace: str = ""):
+        if num_gpu_pages < 1:
+            raise ValueError(f"num_gpu_pages must be >= 1, got {num_gpu_pages}")
+        if page_size < 1:
+            raise ValueError(f"page_size must be >= 1, got {page_size}")
+        if num_host_pages < 0:
+            raise ValueError(f"num_host_pages must be >= 0, got {num_host_pages}")
+        self.num_gpu_pages = num_gpu_pages
+        self.num_host_pages = num_host_pages
+        self.page_size = page_size
+        self.enable_prefix = enable_prefix
+        self.namespace = namespace
+        self.index = PrefixIndex(page_size)
+        self._seqs: dict[str, _Seq] = {}
+        # GPU tier
+        self._gpu_free: list[int] = list(range(num_gpu_pages - 1, -1, -1))  # pop() -> lowest id
+        self._refcount = [0] * num_gpu_pages
+        self._gpu_node: list[PrefixNode | None] = [None] * num_gpu_pages
+        self._gpu_lru: OrderedDict[int, None] = OrderedDict()  # cached pages, oldest first
+        # host tier
+        self._host_free: list[int] = list(range(num_host_pages - 1, -1, -1))
+        self._host_node: list[PrefixNode | None] = [None] * num_host_pages
+        self._host_lru: OrderedDict[int, None] = OrderedDict()
+        self._host_pinned: set[int] = set()
+        self._host_release: set[int] = set()  # pinned pages whose node died: free at take_transfers
+        self._xfer = Transfers()
+        self._stats = dict.fromkeys(
+            ("lookups", "hits", "misses", "hit_tokens_gpu", "hit_tokens_host", "evictions_gpu",
+             "evictions_host", "dropped_pages", "swaps_in", "swaps_out"), 0)
+
+    # ---------------------------------------------------------------- queries
+    def num_free_gpu_pages(self) -> int:
+        return len(self._gpu_free)
+
+    def num_evictable_gpu_pages(self) -> int:
+        return len(self._gpu_lru)
+
+    def can_allocate(self, n_pages: int) -> bool:
+        """True if `n_pages` new GPU pages can be had (free or by evicting cached ones)."""
+        return n_pages <= len(self._gpu_free) + len(self._gpu_lru)
+
+    def has_sequence(self, seq_id: str) -> bool:
+        return seq_id in self._seqs
+
+    def page_table(self, seq_id: str) -> list[int]:
+        """GPU page ids of the sequence, in token order."""
+        return list(self._seq(seq_id).pages)
+
+    def num_pages_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.page_size)
+
+    def peek_prefix(self, prompt: list[int]) -> int:
+        """Tokens `add_sequence` would find cached now (no side effects, any tier)."""
+        if not self.enable_prefix:
+            return 0
+        return len(self.index.match(prompt, self.namespace, self._max_hit_pages(prompt))) * self.page_size
+
+    # ------------------------------------------------------------- sequences
+    def add_sequence(self, seq_id: str, prompt: list[int], namespace: str | None = None) -> int:
+        """Register a sequence and take its prefix hits; returns cached token count.
+
+        Hits are whole pages and leave >= 1 prompt token to compute. GPU hits
+        are shared (refcount++); host hits get a new GPU page and a queued
+        host->GPU copy. If GPU pages run out, the hit is cut short there.
+        """
+        if seq_id in self._seqs:
+            raise ValueError(f"sequence {seq_id!r} already exists")
+        ns = self.namespace if namespace is None else namespace
+        seq = _Seq(pages=[], chain=[], namespace=ns, indexing=self.enable_prefix)
+        self._seqs[seq_id] = seq
+        if not self.enable_prefix:
+            return 0
+        self._stats["lookups"] += 1
+        chain = self.index.match(prompt, ns, self._max_hit_pages(prompt))
+        # Take every GPU-resident hit and pin every host-only one first, so that
+        # allocating pages for the swap-ins cannot evict the rest of the chain.
+        for node in chain:
+            if node.gpu_page is not None:
+                self._incref(node.gpu_page)
+            else:
+                self._pin_host(node.host_page)
+        n_ok, n_swapped = len(chain), 0
+        for i, node in enumerate(chain):
+            if node.gpu_page is None:
+                gpu = self._alloc_gpu()
+                if gpu is None:
+                    n_ok = i
+                    break
+                self._swap_in(node, gpu)
+                n_swapped += 1
+        for node in chain[n_ok:]:  # cut short: give back what the tail took
+            if node.gpu_page is not None:
+                self._decref(node.gpu_page)
+            else:
+                self._unpin_host(node.host_page)  # type: ignore[arg-type]
+        chain = chain[:n_ok]
+        self._stats["hit_tokens_gpu"] += (n_ok - n_swapped) * self.page_size
+        seq.chain = chain
+        seq.pages = [n.gpu_page for n in chain]  # type: ignore[misc]
+        for node in reversed(chain):  # parents most recent: leaves are evicted first
+            if node.host_page is not None and node.host_page in self._host_lru:
+                self._host_lru.move_to_end(node.host_page)
+        self._stats["hits" if chain else "misses"] += 1
+        return len(chain) * self.page_size
+
+    def ensure(self, seq_id: str, num_tokens: int) -> bool:
+        """Grow the page table to cover `num_tokens`; False (no change) if impossible."""
+        seq = self._seq(seq_id)
+        need = self.num_pages_for(num_tokens) - len(seq.pages)
+        if need <= 0:
+            return True
+        if not self.can_allocate(need):
+            return False
+        for _ in range(need):
+            page = self._alloc_gpu()
+            if page is None:  # cannot happen after can_allocate; keep the invariant loud
+                raise RuntimeError("GPU page allocation failed after can_allocate said yes")
+            seq.pages.append(page)
+        return True
+
+    def commit(self, seq_id: str, token_ids: list[int]) -> None:
+        """KV of `token_ids` (all tokens so far) is computed: index newly full pages."""
+        seq = self._seq(seq_id)
+        ps = self.page_size
+        if self.num_pages_for(len(token_ids)) > len(seq.pages):
+            raise ValueError(f"commit of {len(token_ids)} tokens but sequence {seq_id!r} "
+                             f"has only {len(seq.pages)} pages of {ps}")
+        if len(token_ids) < len(seq.chain) * ps:
+            raise ValueError(f"commit of {len(token_ids)} tokens is shorter than the "
+                             f"{len(seq.chain) * ps} already indexed for {seq_id!r}")
+        while seq.indexing and len(seq.chain) < len(token_ids) // ps:
+            i = len(seq.chain)
+            parent = seq.chain[-1] if seq.chain else None
+            if parent is not None and not parent.alive:
+                seq.indexing = False  # a shared ancestor was dropped: the chain is gone
+                break
+            tokens = token_ids[i * ps:(i + 1) * ps]
+            page = seq.pages[i]
+            node = self.index.find(parent, tokens, seq.namespace)
+            if node is None:
+                node = self.index.insert(parent, tokens, seq.namespace)
+                self._attach_gpu(node, page)
+            elif node.gpu_page is None and self._gpu_node[page] is None:
+                self._attach_gpu(node, page)  # host-only duplicate: our page becomes its GPU copy
+            # else: identical page computed twice; ours stays unindexed, the chain follows `node`
+            seq.chain.append(node)
+
+    def free(self, seq_id: str) -> None:
+        """Drop the sequence: indexed pages stay cached (evictable), the rest are freed."""
+        seq = self._seqs.pop(seq_id, None)
+        if seq is None:
+            raise ValueError(f"unknown sequence {seq_id!r}")
+        for page in reversed(seq.pages):  # leaves enter the LRU first (evicted first)
+            self._decref(page)
+
+    def take_transfers(self) -> Transfers:
+        """Queued copies since the last call; host pages pinned for them are released.
+
+        A destination written twice keeps only its last copy (the earlier one
+        was for a page since evicted), so each list has distinct destinations
+        and can be executed as one scatter.
+        """
+        xfer, self._xfer = self._xfer, Transfers()
+        xfer.gpu_to_host = _last_per_destination(xfer.gpu_to_host)
+        xfer.host_to_gpu = _last_per_destination(xfer.host_to_gpu)
+        for host in list(self._host_pinned):
+            self._unpin_host(host)
+        return xfer
+
+    # ------------------------------------------------------------ accounting
+    def stats(self) -> dict[str, int]:
+        """Counters (hits, misses, hit tokens per tier, evictions, swaps) and page states per tier."""
+        used = sum(1 for r in self._refcount if r > 0)
+        return {
+            **self._stats,
+            "gpu_pages_total": self.num_gpu_pages,
+            "gpu_pages_used": used,
+            "gpu_pages_cached": len(self._gpu_lru),
+            "gpu_pages_free": len(self._gpu_free),
+            "host_pages_total": self.num_host_pages,
+            "host_pages_used": len(self._host_pinned),
+            "host_pages_cached": len(self._host_lru),
+            "host_pages_free": len(self._host_free),
+            "prefix_nodes": len(self.index),
+            "sequences": len(self._seqs),
+        }
+
+    def check_integrity(self) -> None:
+        """Raise RuntimeError with detail if any bookkeeping invariant is broken."""
+        errors = self._gpu_errors() + self._host_errors() + self._index_errors()
+        if errors:
+            raise RuntimeError("CacheManager integrity: " + "; ".join(errors[:10]))
+
+    def _gpu_errors(self) -> list[str]:
+        err: list[str] = []
+        free, cached = self._gpu_free, set(self._gpu_lru)
+        used = {p for p, r in enumerate(self._refcount) if r > 0}
+        if len(set(free)) != len(free):
+            err.append("GPU free list has duplicates")
+        for name, a, b in (("free&cached", set(free), cached), ("free&used", set(free), used),
+                           ("cached&used", cached, used)):
+            if a & b:
+                err.append(f"GPU pages in two states ({name}): {sorted(a & b)[:8]}")
+        if len(set(free)) + len(cached) + len(used) != self.num_gpu_pages:
+            err.append(f"GPU free {len(free)} + cached {len(cached)} + used {len(used)} "
+                       f"!= total {self.num_gpu_pages}")
+        counts = [0] * self.num_gpu_pages
+        for sid, seq in self._seqs.items():
+            if len(set(seq.pages)) != len(seq.pages):
+                err.append(f"sequence {sid!r} holds a page twice")
+            for p in seq.pages:
+                counts[p] += 1
+        if counts != self._refcount:
+            bad = [p for p in range(self.num_gpu_pages) if counts[p] != self._refcount[p]]
+            err.append(f"refcounts disagree with page tables at pages {bad[:8]}")
+        for p in cached:
+            if self._gpu_node[p] is None:
+                err.append(f"cached GPU page {p} is not indexed")
+        for p in free:
+            if self._gpu_node[p] is not None:
+                err.append(f"free GPU page {p} is still indexed")
+        return err
+
+    def _host_errors(self) -> list[str]:
+        err: list[str] = []
+        free, cached, pinned = set(self._host_free), set(self._host_lru), self._host_pinned
+        if len(free) != len(self._host_free):
+            err.append("host free list has duplicates")
+        if free & cached or free & pinned or cached & pinned:
+            err.append("host pages in two states")
+        if len(free) + len(cached) + len(pinned) != self.num_host_pages:
+            err.append(f"host free {len(free)} + cached {len(cached)} + pinned {len(pinned)} "
+                       f"!= total {self.num_host_pages}")
+        if not self._host_release <= pinned:
+            err.append("host pages awaiting release are not pinned")
+        for h in cached | (pinned - self._host_release):
+            if self._host_node[h] is None:
+                err.append(f"host page {h} holds no node")
+        for h in free:
+            if self._host_node[h] is not None:
+                err.append(f"free host page {h} still holds a node")
+        return err
+
+    def _index_errors(self) -> list[str]:
+        err: list[str] = []
+        n_nodes = 0
+        for node in self.index.nodes():
+            n_nodes += 1
+            if not node.alive:
+                err.append("dead node in the index")
+            if node.parent is not None and (not node.parent.alive or node not in node.parent.children):
+                err.append(f"node {node!r} has a dead or unlinked parent")
+            if node.gpu_page is None and node.host_page is None:
+                err.append(f"node {node!r} lives in no tier")
+            if node.gpu_page is not None and self._gpu_node[node.gpu_page] is not node:
+                err.append(f"GPU page {node.gpu_page} does not point back to its node")
+            if node.host_page is not None and self._host_node[node.host_page] is not node:
+                err.append(f"host page {node.host_page} does not point back to its node")
+        n_gpu = sum(n is not None for n in self._gpu_node)
+        n_host = sum(n is not None for n in self._host_node)
+        if n_nodes != len(self.index):
+            err.append(f"index count {len(self.index)} != nodes {n_nodes}")
+        live_gpu = sum(1 for n in self.index.nodes() if n.gpu_page is not None)
+        live_host = sum(1 for n in self.index.nodes() if n.host_page is not None)
+        if (n_gpu, n_host) != (live_gpu, live_host):
+            err.append(f"page->node maps ({n_gpu} gpu, {n_host} host) disagree with the index "
+                       f"({live_gpu}, {live_host})")
+        return err
+
+    # ---------------------------------------------------------------- GPU tier
+    def _max_hit_pages(self, prompt: list[int]) -> int:
+        return max(0, (len(prompt) - 1) // self.page_size)
+
+    def _seq(self, seq_id: str) -> _Seq:
+        try:
+            return self._seqs[seq_id]
+        except KeyError:
+            raise ValueError(f"unknown sequence {seq_id!r}") from None
+
+    def _incref(self, page: int) -> None:
+        if self._refcount[page] == 0:
+            del self._gpu_lru[page]  # KeyError here = an unindexed page was free: a bug
+        self._refcount[page] += 1
+
+    def _decref(self, page: int) -> None:
+        self._refcount[page] -= 1
+        if self._refcount[page] < 0:
+            raise RuntimeError(f"GPU page {page} refcount went negative")
+        if self._refcount[page] == 0:
+            if self._gpu_node[page] is not None:
+                self._gpu_lru[page] = None
+            else:
+                self._gpu_free.append(page)
+
+    def _attach_gpu(self, node: PrefixNode, page: int) -> None:
+        node.gpu_page = page
+        self._gpu_node[page] = node
+
+    def _alloc_gpu(self) -> int | None:
+        """One GPU page with refcount 1, evicting the LRU cached page if needed."""
+        if not self._gpu_free and not self._evict_gpu():
+            return None
+        page = self._gpu_free.pop()
+        self._refcount[page] = 1
+        return page
+
+    def _evict_gpu(self) -> bool:
+        """Free the least recently used cached GPU page: copy down to host, or drop."""
+        if not self._gpu_lru:
+            return False
+        page, _ = self._gpu_lru.popitem(last=False)
+        node = self._gpu_node[page]
+        assert node is not None  # cached pages are indexed by definition
+        self._stats["evictions_gpu"] += 1
+        node.gpu_page = None
+        self._gpu_node[page] = None
+        self._gpu_free.append(page)
+        if node.host_page is None:
+            host = self._alloc_host()  # may drop this node (its ancestor was the host LRU)
+            if not node.alive:
+                if host is not None:
+                    self._host_free.append(host)
+            elif host is None:
+                self._drop_node(node)
+            else:
+                node.host_page = host
+                self._host_node[host] = node
+                self._host_lru[host] = None
+                self._xfer.gpu_to_host.append((page, host))
+                self._stats["swaps_out"] += 1
+        return True
+
+    def _swap_in(self, node: PrefixNode, gpu: int) -> None:
+        host = node.host_page
+        assert host is not None
+        self._attach_gpu(node, gpu)
+        self._xfer.host_to_gpu.append((host, gpu))
+        self._stats["swaps_in"] += 1
+        self._stats["hit_tokens_host"] += self.page_size
+
+    # --------------------------------------------------------------- host tier
+    def _alloc_host(self) -> int | None:
+        if not self._host_free and not self._evict_host():
+            return None
+        return self._host_free.pop()
+
+    def _evict_host(self) -> bool:
+        if not self._host_lru:
+            return False
+        host, _ = self._host_lru.popitem(last=False)
+        node = self._host_node[host]
+        assert node is not None
+        self._stats["evictions_host"] += 1
+        node.host_page = None
+        self._host_node[host] = None
+        self._host_free.append(host)
+        if node.gpu_page is None:
+            self._drop_node(node)
+        return True
+
+    def _pin_host(self, host: int | None) -> None:
+        if host is None:
+            raise RuntimeError("indexed node has neither a GPU nor a host page")
+        del self._host_lru[host]
+        self._host_pinned.add(host)
+
+    def _unpin_host(self, host: int) -> None:
+        self._host_pinned.discard(host)
+        if host in self._host_release:
+            self._host_release.discard(host)
+            self._host_free.append(host)
+        else:
+            self._host_lru[host] = None
+
+    def _drop_node(self, node: PrefixNode) -> None:
+        """Remove a node and its now unreachable descendants; free what they held."""
+        for n in self.index.remove(node):
+            self._stats["dropped_pages"] += 1
+            if n.gpu_page is not None:
+                page, n.gpu_page = n.gpu_page, None
+                self._gpu_node[page] = None
+                if self._refcount[page] == 0:
+                    del self._gpu_lru[page]
+                    self._gpu_free.append(page)
+            if n.host_page is not None:
+                host, n.host_page = n.host_page, None
+                self._host_node[host] = None
+                if host in self._host_pinned:
+                    self._host_release.add(host)
+                else:
+                    del self._host_lru[host]
+                    self._host_free.append(host)
+
+
+def _last_per_destination(pairs: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """(src, dst) pairs, keeping the last one per dst, in first-seen dst order."""
+    last: dict[int, int] = {}
+    for src, dst in pairs:
+        last[dst] = src
+    return [(src, dst) for dst, src in last.items()]

@@ -1,0 +1,80 @@
+"""Shared checks of the kv_quant Triton kernels against the PyTorch reference codecs.
+
+Used by tests/kv/test_kv_kernels.py (TRITON_INTERPRET=1 on CPU, tiny sizes)
+and tests/gpu/test_kv_kernels.py (CUDA, model sizes).
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+
+import torch
+
+from kvtier.kv.formats import make_format  # noqa: E402
+
+QUANT_FORMATS = ("int8", "fp8", "k8v4", "int4")
+
+
+def fp8_codes_match(ref: torch.Tensor, got: torch.Tensor, exact: bool) -> None:
+    """Codes equal; the interpreter's fp32->e4m3 cast may halve a value rounding up to 2^n."""
+    diff = ref != got
+    if exact or not diff.any():
+        assert not diff.any(), f"{int(diff.sum())} fp8 codes differ"
+        return
+    a = ref[diff].view(torch.float8_e4m3fn).float()
+    b = got[diff].view(torch.float8_e4m3fn).float()
+    assert torch.equal(b * 2, a) and torch.equal(torch.log2(a.abs()).round(), torch.log2(a.abs())), \
+        "fp8 codes differ beyond the interpreter's binade rounding quirk"
+    assert diff.float().mean() < 0.05
+
+
+def check_store_load(kq: ModuleType, name: str, heads: int, page_size: int, head_dim: int,
+                     num_pages: int, n_rows: int, device: str, dtype: torch.dtype, exact_fp8: bool) -> None:
+    """Kernel store == reference store (codes and scales); kernel load == reference load."""
+    fmt = make_format(name)
+    dev = torch.device(device)
+    g = torch.Generator().manual_seed(hash(name) % 1000)
+    slots = torch.randperm(num_pages * page_size, generator=g)[:n_rows].to(dev)
+    base = torch.randn(n_rows, 3 * heads, head_dim, generator=g) * 2
+    k = base[:, :heads].to(dev, dtype)  # a strided view, as sliced from a fused qkv projection
+    v = (base[:, heads:2 * heads] + 0.3).to(dev, dtype)
+    ref = fmt.allocate(num_pages, heads, page_size, head_dim, dev)
+    got = fmt.allocate(num_pages, heads, page_size, head_dim, dev)
+    for kv, codec, x in (("k", fmt.k_codec, k), ("v", fmt.v_codec, v)):
+        for suffix, part in codec.encode(x).items():
+            ref[kv + suffix][slots // page_size, :, slots % page_size] = part
+    assert kq.store_rows(fmt, got, slots, k, v)
+    for key in ref:
+        if key in ("k", "v") and name in ("fp8",):
+            fp8_codes_match(ref[key].cpu(), got[key].cpu(), exact_fp8)
+        else:
+            assert torch.equal(ref[key], got[key]), f"{name}: {key} differs"
+    page_ids = torch.randperm(num_pages, generator=g)[:max(1, num_pages // 2)].to(dev)
+    out_dtype = dtype if dtype != torch.float32 else torch.float32
+    want = [codec.decode({sfx: ref[kv + sfx][page_ids] for sfx in codec.parts(head_dim)}, out_dtype)
+            for kv, codec in (("k", fmt.k_codec), ("v", fmt.v_codec))]
+    have = kq.load_pages(fmt, ref, page_ids, out_dtype)
+    assert have is not None
+    for w, h in zip(want, have):
+        assert h.shape == (page_ids.numel(), heads, page_size, head_dim) and h.dtype == out_dtype
+        assert torch.equal(w, h), f"{name}: load differs by {(w.float() - h.float()).abs().max()}"
+
+
+INTERP_CASES = [(name, hd, ps) for name in QUANT_FORMATS for hd, ps in ((16, 4), (24, 2))]
+
+
+def main() -> None:
+    """Run every interpreter case (TRITON_INTERPRET=1 must be set before triton is imported)."""
+    import kvtier.kernels.kv_quant as kq
+    failures = []
+    for name, hd, ps in INTERP_CASES:
+        try:
+            check_store_load(kq, name, heads=2, page_size=ps, head_dim=hd, num_pages=5, n_rows=7,
+                             device="cpu", dtype=torch.float32, exact_fp8=False)
+        except AssertionError as e:
+            failures.append(f"{name} head_dim={hd} page_size={ps}: {e}")
+    print("\n".join(failures) if failures else "ALL OK")
+
+
+if __name__ == "__main__":
+    main()
