@@ -1,0 +1,198 @@
+"""Structured output through xgrammar: compiled grammars and per-request token masks.
+
+    GrammarCompilerCache (one per model: tokenizer + logits vocab size)
+        .json_object() / .json_schema(s) / .ebnf(text) / .regex(p)
+        .structural_tag(spec) / .tool_call_grammar(tools, mode, name)
+            -> xgrammar.CompiledGrammar   (compiled once, cached by xgrammar)
+    GrammarState(compiled)  (one per request; implements sampler.Grammar)
+        allowed_mask() -> bool [V]  ->  sampler  ->  accept(token) ...
+
+The model's logits vocab can be larger than the tokenizer's (padded
+embeddings); the padding ids are never allowed. The matcher allows a stop
+token only once the grammar is complete; accepting it terminates the state.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from typing import Any, Literal
+
+import torch
+import xgrammar as xgr
+
+# Bits per word of xgrammar's packed int32 token bitmask.
+BITMASK_WORD_BITS = 32
+# Rollback depth a state keeps by default: enough for a speculative draft window.
+DEFAULT_MAX_ROLLBACK = 16
+# Hermes tool-call framing (Qwen2.5 / Qwen3 chat templates).
+TOOL_CALL_BEGIN = "<tool_call>\n"
+TOOL_CALL_END = "\n</tool_call>"
+TOOL_CALL_SEPARATOR = "\n"
+TOOL_CALL_TRIGGER = "<tool_call>"
+
+ToolChoiceMode = Literal["required", "named", "auto"]
+
+
+class GrammarCompilerCache:
+    """Compiles grammars for one tokenizer and logits vocab size.
+
+    hf_tokenizer: a transformers tokenizer (kvtier's `Tokenizer.hf`).
+    vocab_size: the model's logits width (>= the tokenizer's size).
+    stop_token_ids: ids that end generation (default: the tokenizer's EOS).
+    """
+
+    def __init__(self, hf_tokenizer: Any, vocab_size: int,
+                 stop_token_ids: Sequence[int] | None = None, max_threads: int = 2) -> None:
+        if vocab_size < len(hf_tokenizer):
+            raise ValueError(f"vocab_size {vocab_size} is smaller than the tokenizer's "
+                             f"{len(hf_tokenizer)} tokens")
+        stops = list(stop_token_ids) if stop_token_ids is not None else None
+        self.tokenizer_info = xgr.TokenizerInfo.from_huggingface(
+            hf_tokenizer, vocab_size=vocab_size, stop_token_ids=stops)
+        self.vocab_size = vocab_size
+        self._compiler = xgr.GrammarCompiler(self.tokenizer_info, max_threads=max_threads)
+
+    def json_object(self) -> xgr.CompiledGrammar:
+        """Any JSON object (OpenAI `response_format: {"type": "json_object"}`)."""
+        return self.json_schema({"type": "object"}, strict=False)
+
+    def json_schema(self, schema: dict[str, Any] | str, strict: bool = True) -> xgr.CompiledGrammar:
+        """A JSON value valid under `schema` (dict or JSON text). `strict`: objects
+        admit no properties beyond those listed unless the schema says otherwise."""
+        text = schema if isinstance(schema, str) else json.dumps(schema)  # keep key order: it is the property order
+        try:
+            return self._compiler.compile_json_schema(text, strict_mode=strict)
+        except (RuntimeError, ValueError) as e:  # xgrammar raises these for bad schemas
+            raise ValueError(f"invalid or unsupported JSON schema: {e}") from e
+
+    def ebnf(self, text: str, root: str = "root") -> xgr.CompiledGrammar:
+        """A grammar in xgrammar's EBNF (GBNF-like) syntax, starting at rule `root`."""
+        try:
+            return self._compiler.compile_grammar(text, root_rule_name=root)
+        except (RuntimeError, ValueError) as e:
+            raise ValueError(f"invalid EBNF grammar: {e}") from e
+
+    def regex(self, pattern: str) -> xgr.CompiledGrammar:
+        try:
+            return self._compiler.compile_regex(pattern)
+        except (RuntimeError, ValueError) as e:
+            raise ValueError(f"invalid regex: {e}") from e
+
+    def structural_tag(self, spec: dict[str, Any] | str) -> xgr.CompiledGrammar:
+        """xgrammar structural tag: `{"type": "structural_tag", "format": {...}}`."""
+        text = spec if isinstance(spec, str) else json.dumps(spec)
+        try:
+            return self._compiler.compile_structural_tag(text)
+        except (RuntimeError, ValueError, xgr.InvalidStructuralTagError, xgr.InvalidJSONError) as e:
+            raise ValueError(f"invalid structural tag: {e}") from e
+
+    def tool_call_grammar(self, tools: Sequence[dict[str, Any]], mode: ToolChoiceMode = "required",
+                          name: str | None = None, parallel: bool = True) -> xgr.CompiledGrammar:
+        """Output constrained to Hermes tool calls; see `tool_call_structural_tag`."""
+        return self.structural_tag(tool_call_structural_tag(tools, mode, name, parallel))
+
+
+def tool_spec(tool: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+    """(name, parameters JSON schema) of an OpenAI tool (`{"type": "function",
+    "function": {...}}`), a bare function (`{"name", "parameters"}`) or an
+    Anthropic tool (`{"name", "input_schema"}`)."""
+    fn = tool.get("function", tool)
+    if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
+        raise ValueError(f"tool without a function name: {tool!r}")
+    params = fn.get("parameters", fn.get("input_schema"))
+    if params is None:
+        params = {"type": "object"}
+    if not isinstance(params, dict):
+        raise ValueError(f"tool {fn['name']!r}: parameters must be a JSON schema object")
+    return fn["name"], params
+
+
+def _call_tag(name: str, params: dict[str, Any]) -> dict[str, Any]:
+    call_schema = {
+        "type": "object",
+        "properties": {"name": {"const": name}, "arguments": params},
+        "required": ["name", "arguments"],
+        "additionalProperties": False,
+    }
+    return {"type": "tag", "begin": TOOL_CALL_BEGIN, "end": TOOL_CALL_END,
+            "content": {"type": "json_schema", "json_schema": call_schema}}
+
+
+def tool_call_structural_tag(tools: Sequence[dict[str, Any]], mode: ToolChoiceMode = "required",
+                             name: str | None = None, parallel: bool = True) -> dict[str, Any]:
+    """Structural tag for Hermes tool calls:
+
+        <tool_call>\\n{"name": "<tool>", "arguments": <args per tool schema>}\\n</tool_call>
+
+    mode "required": one or more calls (one if not `parallel`) and nothing else;
+    "named": the same, of tool `name` only; "auto": free text, and any call
+    the model starts with `<tool_call>` must be well-formed.
+    """
+    specs = [tool_spec(t) for t in tools]
+    if not specs:
+        raise ValueError("tool_call_grammar needs at least one tool")
+    if mode == "named":
+        specs = [s for s in specs if s[0] == name]
+        if not specs:
+            raise ValueError(f"tool_choice names {name!r}, which is not among the tools")
+    elif mode not in ("required", "auto"):
+        raise ValueError(f"tool call mode must be 'required', 'named' or 'auto', not {mode!r}")
+    tags = [_call_tag(n, p) for n, p in specs]
+    if mode == "auto":
+        fmt = {"type": "triggered_tags", "triggers": [TOOL_CALL_TRIGGER], "tags": tags,
+               "at_least_one": False, "stop_after_first": not parallel}
+    else:
+        fmt = {"type": "tags_with_separator", "tags": tags, "separator": TOOL_CALL_SEPARATOR,
+               "at_least_one": True, "stop_after_first": not parallel}
+    return {"type": "structural_tag", "format": fmt}
+
+
+def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """xgrammar's packed mask -> bool [vocab_size]; bit j of word w is token 32*w + j.
+
+    bitmask: int32 [W] with W = ceil(vocab_size / 32).
+    """
+    shifts = torch.arange(BITMASK_WORD_BITS, dtype=torch.int32)
+    bits = (bitmask.unsqueeze(-1) >> shifts) & 1  # [W, 32]
+    return bits.reshape(-1)[:vocab_size].to(torch.bool)
+
+
+class GrammarState:
+    """One request's position in a compiled grammar (implements sampler.Grammar)."""
+
+    def __init__(self, compiled: xgr.CompiledGrammar, max_rollback: int = DEFAULT_MAX_ROLLBACK) -> None:
+        self._matcher = xgr.GrammarMatcher(compiled, max_rollback_tokens=max_rollback)
+        self.vocab_size: int = compiled.tokenizer_info.vocab_size
+        self._bitmask = xgr.allocate_token_bitmask(1, self.vocab_size)  # int32 [1, W]
+
+    def allowed_mask(self) -> torch.Tensor:
+        """bool [V]: tokens the grammar allows next (stop tokens once complete)."""
+        if self._matcher.is_terminated():
+            raise ValueError("grammar already terminated; the request should have finished")
+        self._matcher.fill_next_token_bitmask(self._bitmask, 0)
+        return unpack_bitmask(self._bitmask[0], self.vocab_size)
+
+    def accept(self, token_id: int) -> bool:
+        """Advance by one sampled token; False (state unchanged) if the grammar rejects it."""
+        return self._matcher.accept_token(token_id)
+
+    def accept_text(self, text: str) -> bool:
+        """Advance by literal text (e.g. a forced prefix); one rollback step."""
+        return self._matcher.accept_string(text)
+
+    def is_completed(self) -> bool:
+        """The output so far is a complete sentence (a stop token may come next)."""
+        return self._matcher.is_completed()
+
+    def is_terminated(self) -> bool:
+        """A stop token was accepted: nothing more may be generated."""
+        return self._matcher.is_terminated()
+
+    def rollback(self, num_tokens: int) -> None:
+        """Undo the last `num_tokens` accepted tokens (at most `max_rollback`)."""
+        self._matcher.rollback(num_tokens)
+
+    def jump_forward(self) -> str:
+        """Text the grammar forces next (may be empty)."""
+        return self._matcher.find_jump_forward_string()
