@@ -1,0 +1,242 @@
+"""What every API shares on the way in: chat-template rendering, the built-in
+Hermes tool prompt, tool_choice / response_format -> grammar, sampling params,
+and the context-length check.
+
+Messages are normalised to the Hugging Face chat-template shape first:
+    {"role", "content": str, "tool_calls": [{"id", "type", "function": {"name",
+     "arguments": str}}], "tool_call_id", "reasoning_content"}
+and each API module owns its own conversion into that shape.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from kvtier.engine.request import ContextOverflowError, Request, SamplingParams
+from kvtier.server.errors import APIError, bad_request, overflow_error_from
+from kvtier.server.generation import Prepared
+
+# The tool prompt used when a model's chat template has no tool support: the
+# Hermes / Qwen2.5 format, which small instruct models follow reasonably well.
+HERMES_TOOL_PROMPT = (
+    "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n{tools}\n"
+    "</tools>\n\nFor each function call, return a json object with function name and arguments "
+    "within <tool_call></tool_call> XML tags:\n<tool_call>\n"
+    '{{"name": <function-name>, "arguments": <args-json-object>}}\n</tool_call>')
+THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+
+
+@dataclass(frozen=True)
+class ToolChoice:
+    """mode: none | auto | required | named (then `name` is the function)."""
+
+    mode: str = "auto"
+    name: str | None = None
+
+
+@dataclass(frozen=True)
+class OutputFormat:
+    """kind: text | json_object | json_schema (then `schema`)."""
+
+    kind: str = "text"
+    schema: dict | None = None
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}{uuid.uuid4().hex}"
+
+
+def tool_def(name: str, description: str | None, parameters: dict | None) -> dict:
+    """One tool in the OpenAI shape that chat templates and the grammar expect."""
+    return {"type": "function", "function": {
+        "name": name, "description": description or "",
+        "parameters": parameters if parameters is not None else {"type": "object", "properties": {}}}}
+
+
+def format_tool_call(name: str, arguments: str) -> str:
+    """A tool call exactly as the Hermes format has the model write it."""
+    return f'<tool_call>\n{{"name": {json.dumps(name, ensure_ascii=False)}, "arguments": {arguments}}}\n</tool_call>'
+
+
+def text_of(content: Any, where: str) -> str:
+    """Flatten str | [{type: text|input_text|output_text, text}] into one string."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    parts = []
+    for part in content:
+        kind = part.get("type", "text") if isinstance(part, dict) else None
+        if kind in ("text", "input_text", "output_text") and isinstance(part.get("text"), str):
+            parts.append(part["text"])
+        elif kind in ("image_url", "image", "input_image", "input_audio", "document", "input_file"):
+            raise bad_request(f"{where}: {kind} content is not supported by this text-only model",
+                              param=where)
+        else:
+            raise bad_request(f"{where}: unsupported content part {kind!r}", param=where)
+    return "".join(parts)
+
+
+def _hermes_messages(messages: list[dict], tools: list[dict] | None) -> list[dict]:
+    """Rewrite tool use into plain text turns for templates that know nothing of tools."""
+    out: list[dict] = []
+    for m in messages:
+        role = m["role"]
+        if role == "assistant" and m.get("tool_calls"):
+            calls = [format_tool_call(c["function"]["name"], c["function"]["arguments"])
+                     for c in m["tool_calls"]]
+            content = m.get("content") or ""
+            text = (content + "\n" if content else "") + "\n".join(calls)
+            out.append({**_without(m, "tool_calls"), "content": text})
+        elif role == "tool":
+            block = f"<tool_response>\n{m.get('content') or ''}\n</tool_response>"
+            if out and out[-1].get("_tool_results"):
+                out[-1]["content"] += "\n" + block
+            else:
+                out.append({"role": "user", "content": block, "_tool_results": True})
+        else:
+            out.append(dict(m))
+    for m in out:
+        m.pop("_tool_results", None)
+    if tools:
+        prompt = HERMES_TOOL_PROMPT.format(tools="\n".join(json.dumps(t, ensure_ascii=False) for t in tools))
+        if out and out[0]["role"] == "system":
+            out[0] = {**out[0], "content": (out[0]["content"] + "\n\n" + prompt).lstrip()}
+        else:
+            out.insert(0, {"role": "system", "content": prompt})
+    return out
+
+
+def _without(d: dict, key: str) -> dict:
+    return {k: v for k, v in d.items() if k != key}
+
+
+def _fold_reasoning(messages: list[dict]) -> list[dict]:
+    """Templates that drop `reasoning_content` get it back inline, as the model wrote it."""
+    out = []
+    for m in messages:
+        r = m.get("reasoning_content")
+        if m["role"] == "assistant" and r:
+            m = {**_without(m, "reasoning_content"),
+                 "content": f"{THINK_OPEN}{r}{THINK_CLOSE}{m.get('content') or ''}"}
+        out.append(m)
+    return out
+
+
+def render_prompt(tokenizer, messages: list[dict], tools: list[dict] | None,
+                  template_kwargs: dict | None = None) -> str:
+    """Render with the model's own chat template (Hermes tool prompt if it has no tool support)."""
+    template = tokenizer.chat_template or ""
+    native_tools = bool(tokenizer.has_tool_support)
+    msgs = messages if native_tools else _hermes_messages(messages, tools)
+    if "reasoning_content" not in template:
+        msgs = _fold_reasoning(msgs)
+    for m in msgs:
+        m.setdefault("content", "")
+        if m["content"] is None:
+            m["content"] = ""
+    kwargs = dict(template_kwargs or {})
+    try:
+        return tokenizer.apply_chat_template(msgs, tools=tools if native_tools and tools else None,
+                                             add_generation_prompt=True, **kwargs)
+    except APIError:
+        raise
+    except Exception as e:  # template errors (role order, missing fields) are the client's
+        raise bad_request(f"the chat template could not render these messages: {e}",
+                          param="messages") from e
+
+
+def encode(tokenizer, text: str) -> list[int]:
+    return list(tokenizer.encode(text))
+
+
+def starts_in_reasoning(prompt_text: str) -> bool:
+    """True when the generation prompt leaves a <think> block open (e.g. Qwen3 thinking)."""
+    tail = prompt_text.rstrip()
+    return tail.endswith(THINK_OPEN)
+
+
+def resolve_max_tokens(requested: int | None, prompt_len: int, limit: int) -> int:
+    """The completion budget; 400 (naming the lengths) when prompt + request exceed the context."""
+    if requested is None:
+        if prompt_len >= limit:
+            raise overflow_error_from(ContextOverflowError(prompt_len, 1, limit))
+        return limit - prompt_len
+    if prompt_len + requested > limit:
+        raise overflow_error_from(ContextOverflowError(prompt_len, requested, limit))
+    return requested
+
+
+def stop_list(stop: str | list[str] | None) -> tuple[str, ...]:
+    if stop is None:
+        return ()
+    items = [stop] if isinstance(stop, str) else list(stop)
+    return tuple(s for s in items if s)
+
+
+def sampling_params(body: Any, max_tokens: int, stop: tuple[str, ...]) -> SamplingParams:
+    """Build SamplingParams from the shared knobs; a ValueError there is the client's 400."""
+    g = body.__dict__.get
+    top_k = g("top_k")
+    try:
+        return SamplingParams(
+            temperature=1.0 if g("temperature") is None else g("temperature"),
+            top_p=1.0 if g("top_p") is None else g("top_p"),
+            top_k=0 if top_k is None or top_k < 0 else top_k,
+            min_p=g("min_p") or 0.0,
+            repetition_penalty=g("repetition_penalty") or 1.0,
+            presence_penalty=g("presence_penalty") or 0.0,
+            frequency_penalty=g("frequency_penalty") or 0.0,
+            seed=g("seed"), max_tokens=max_tokens, stop=stop, ignore_eos=bool(g("ignore_eos")))
+    except ValueError as e:
+        raise bad_request(str(e)) from e
+
+
+def check_tool_choice(choice: ToolChoice, tools: list[dict] | None) -> None:
+    names = [t["function"]["name"] for t in tools or []]
+    if choice.mode in ("required", "named") and not names:
+        raise bad_request(f"tool_choice {choice.mode!r} needs at least one tool", param="tool_choice")
+    if choice.mode == "named" and choice.name not in names:
+        raise bad_request(f"tool_choice names the function {choice.name!r}, which is not among the "
+                          f"tools ({', '.join(names)})", param="tool_choice")
+
+
+def prepare(ctx, request_id: str, messages: list[dict], tools: list[dict] | None, choice: ToolChoice,
+            fmt: OutputFormat, body: Any, max_tokens: int | None, stop: tuple[str, ...],
+            template_kwargs: dict | None = None, prefill: str = "") -> Prepared:
+    """The shared tail of every API's conversion: render, encode, budget, grammar.
+
+    `prefill` continues a trailing assistant turn (Anthropic-style) verbatim.
+    """
+    check_tool_choice(choice, tools)
+    offered = tools if choice.mode != "none" else None
+    text = render_prompt(ctx.tokenizer, messages, offered, template_kwargs) + prefill
+    ids = encode(ctx.tokenizer, text)
+    budget = resolve_max_tokens(max_tokens, len(ids), ctx.max_model_len)
+    params = sampling_params(body, budget, stop)
+    grammar = ctx.grammars.for_request(offered, choice, fmt)
+    return Prepared(request=Request(request_id, ids, params, grammar=grammar),
+                    tools=bool(offered), starts_in_reasoning=starts_in_reasoning(text), prompt_text=text,
+                    tool_names=tuple(t["function"]["name"] for t in offered or []))
+
+
+def prepare_raw(ctx, request_id: str, ids: list[int], body: Any, max_tokens: int | None,
+                stop: tuple[str, ...]) -> Prepared:
+    """A plain-completion prompt: no template, no tools, no reasoning parsing."""
+    if not ids:
+        raise bad_request("the prompt is empty", param="prompt")
+    budget = resolve_max_tokens(max_tokens, len(ids), ctx.max_model_len)
+    return Prepared(request=Request(request_id, ids, sampling_params(body, budget, stop)),
+                    tools=False, starts_in_reasoning=False, reasoning=False)
+
+
+def thinking_kwargs(enabled: bool | None, extra: dict | None = None) -> dict:
+    """Template switches for reasoning models (Qwen3: enable_thinking)."""
+    kw = dict(extra or {})
+    if enabled is not None:
+        kw.setdefault("enable_thinking", enabled)
+    return kw

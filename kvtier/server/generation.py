@@ -1,0 +1,247 @@
+"""Drive one engine request and turn its Output stream into parsed events.
+
+    engine.generate(Request) -> Output(text delta, progress, finish)
+        -> OutputParser.feed/finish -> TextDelta | ReasoningDelta | ToolCall*
+        -> + Progress / Finished events, consumed by the per-API formatters
+
+The request is aborted in the engine whenever its consumer stops early
+(client disconnect, cancellation, error), so nothing keeps generating for a
+client that left.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable
+from dataclasses import dataclass, field
+from typing import TypeVar
+
+from kvtier.engine.request import ContextOverflowError, Progress, Request, Usage
+from kvtier.server.parsing import (OutputParser, ReasoningDelta, TextDelta, ToolCallArgsDelta,
+                                   ToolCallEnd, ToolCallStart)
+
+log = logging.getLogger("kvtier.server")
+
+# Server-log progress lines per request: at most one per this many seconds.
+PROGRESS_LOG_INTERVAL_S = 1.0
+T = TypeVar("T")
+
+
+@dataclass
+class Prepared:
+    """An API request turned into an engine request plus how to parse its output."""
+
+    request: Request
+    tools: bool  # parse <tool_call> blocks into tool calls
+    starts_in_reasoning: bool  # the prompt ends inside an open <think>
+    reasoning: bool = True  # parse <think> blocks (off for raw completions)
+    prompt_text: str = ""
+    tool_names: tuple[str, ...] = ()
+
+
+@dataclass
+class ProgressEvent:
+    progress: Progress
+
+
+@dataclass
+class Finished:
+    """The last event. finish_reason: stop | length | tool_calls | abort | error."""
+
+    finish_reason: str
+    usage: Usage
+    stop_reason: str | int | None = None
+    error: str | None = None
+    overflow: ContextOverflowError | None = None
+
+
+@dataclass
+class ToolCallOut:
+    id: str
+    name: str
+    arguments: str
+
+
+@dataclass
+class Collected:
+    """The whole result of a non-streamed request."""
+
+    content: str = ""
+    reasoning: str = ""
+    tool_calls: list[ToolCallOut] = field(default_factory=list)
+    finished: Finished | None = None
+
+
+class ProgressLog:
+    """Once a second per request, one line in the server log about what it is doing."""
+
+    def __init__(self, request: Request):
+        self.rid = request.request_id[-8:]
+        self.max_tokens = request.params.max_tokens
+        self.t0 = time.monotonic()
+        self.last = 0.0
+        self.decode_t0: float | None = None
+        self.tokens = 0
+        self.phase = "answering"
+
+    def _due(self) -> bool:
+        now = time.monotonic()
+        if now - self.last < PROGRESS_LOG_INTERVAL_S:
+            return False
+        self.last = now
+        return True
+
+    def prefill(self, p: Progress) -> None:
+        if self._due() and time.monotonic() - self.t0 >= PROGRESS_LOG_INTERVAL_S:
+            log.info("[%s] reading the prompt: %s of %s tokens (%s cached), %d s so far", self.rid,
+                     f"{p.processed:,}", f"{p.total:,}", f"{p.cached:,}", time.monotonic() - self.t0)
+
+    def tokens_out(self, n: int) -> None:
+        if self.decode_t0 is None:
+            self.decode_t0 = time.monotonic()
+        self.tokens += n
+        if self._due() and time.monotonic() - self.t0 >= PROGRESS_LOG_INTERVAL_S:
+            rate = self.tokens / max(time.monotonic() - self.decode_t0, 1e-6)
+            log.info("[%s] %s: %s of max %s tokens, %.1f tok/s, %d s", self.rid, self.phase,
+                     f"{self.tokens:,}", f"{self.max_tokens:,}", rate, time.monotonic() - self.t0)
+
+
+def _phase(ev: object, names: dict[int, str]) -> str | None:
+    if isinstance(ev, ReasoningDelta):
+        return "thinking"
+    if isinstance(ev, TextDelta):
+        return "answering"
+    if isinstance(ev, ToolCallStart):
+        names[ev.index] = ev.name
+        return f"writing a tool call: {ev.name}"
+    return None
+
+
+class _WhitespaceHold:
+    """Holds whitespace-only text until real text follows, so the newlines a model writes
+    between or after tool calls never become an empty message / text block."""
+
+    def __init__(self):
+        self.pending = ""
+
+    def filter(self, events: list, final: bool, drop: bool) -> list:
+        out = []
+        for ev in events:
+            if isinstance(ev, TextDelta):
+                if not ev.text.strip():
+                    self.pending += ev.text
+                    continue
+                if self.pending:
+                    ev, self.pending = TextDelta(self.pending + ev.text), ""
+            elif isinstance(ev, ToolCallStart):
+                self.pending = ""  # separator before a call
+            out.append(ev)
+        if final and self.pending and not drop:
+            out.append(TextDelta(self.pending))
+        if final:
+            self.pending = ""
+        return out
+
+
+async def run_events(engine, prep: Prepared) -> AsyncIterator[object]:
+    """Yield parser events, ProgressEvent, and finally one Finished; abort on early exit."""
+    req = prep.request
+    parser = OutputParser(tools=prep.tools, reasoning=prep.reasoning, starts_in_reasoning=prep.starts_in_reasoning)
+    plog = ProgressLog(req)
+    names: dict[int, str] = {}
+    ws = _WhitespaceHold()
+    done = False
+    stream = engine.generate(req)
+    try:
+        async for out in stream:
+            if out.progress is not None and not out.finished:
+                plog.prefill(out.progress)
+                yield ProgressEvent(out.progress)
+            if out.token_ids:
+                plog.tokens_out(len(out.token_ids))
+            events = parser.feed(out.text) if out.text else []
+            if out.finished:
+                events += parser.finish(out.finish_reason == "length")
+            for ev in ws.filter(events, final=out.finished, drop=bool(parser.tool_calls)):
+                phase = _phase(ev, names)
+                if phase:
+                    plog.phase = phase
+                yield ev
+            if out.finished:
+                done = True
+                reason = out.finish_reason
+                if reason == "stop" and parser.tool_calls and not parser.malformed:
+                    reason = "tool_calls"
+                yield Finished(reason, out.usage, out.stop_reason, out.error)
+                return
+        done = True
+        yield Finished("error", Usage(prompt_tokens=len(req.prompt_token_ids)),
+                       error="the engine ended the stream without a final output")
+    except ContextOverflowError as e:
+        done = True
+        yield Finished("error", Usage(prompt_tokens=len(req.prompt_token_ids)), error=str(e), overflow=e)
+    finally:
+        if not done:
+            engine.abort(req.request_id)
+        await _close(stream)
+
+
+async def _close(stream) -> None:
+    aclose = getattr(stream, "aclose", None)
+    if aclose is not None:
+        try:
+            await aclose()
+        except (RuntimeError, asyncio.CancelledError):  # already closing / being cancelled
+            pass
+
+
+async def collect(engine, prep: Prepared) -> Collected:
+    """Run to completion and gather content, reasoning and tool calls (non-streamed APIs)."""
+    res = Collected()
+    calls: dict[int, ToolCallOut] = {}
+    async for ev in run_events(engine, prep):
+        if isinstance(ev, TextDelta):
+            res.content += ev.text
+        elif isinstance(ev, ReasoningDelta):
+            res.reasoning += ev.text
+        elif isinstance(ev, ToolCallStart):
+            calls[ev.index] = ToolCallOut(ev.id, ev.name, "")
+        elif isinstance(ev, ToolCallArgsDelta):
+            calls[ev.index].arguments += ev.text
+        elif isinstance(ev, Finished):
+            res.finished = ev
+    res.tool_calls = [calls[i] for i in sorted(calls)]
+    return res
+
+
+async def until_disconnect(work: Awaitable[T], http_request) -> T | None:
+    """Await `work`, but cancel it (aborting its engine request) if the client disconnects.
+
+    Returns None if the client went away first.
+    """
+    task = asyncio.ensure_future(work)
+    watch = asyncio.ensure_future(_wait_disconnect(http_request))
+    try:
+        done, _ = await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+        if task in done:
+            return task.result()
+        return None
+    finally:
+        for t in (task, watch):
+            if not t.done():
+                t.cancel()
+        await asyncio.gather(task, watch, return_exceptions=True)
+
+
+async def _wait_disconnect(http_request) -> None:
+    while True:
+        msg = await http_request.receive()
+        if msg.get("type") == "http.disconnect":
+            return
+
+
+__all__ = ["Prepared", "ProgressEvent", "Finished", "Collected", "ToolCallOut", "run_events",
+           "collect", "until_disconnect", "TextDelta", "ReasoningDelta", "ToolCallStart",
+           "ToolCallArgsDelta", "ToolCallEnd"]

@@ -1,0 +1,68 @@
+"""KV quant kernels and pool transfers on CUDA (skipped without a GPU)."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvtier.kv.formats import FORMAT_NAMES, make_format
+from kvtier.kv.pool import PagePool
+
+_spec = importlib.util.spec_from_file_location("kv_kernel_cases", Path(__file__).parents[1] / "kv" / "kernel_cases.py")
+kernel_cases = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(kernel_cases)
+QUANT_FORMATS, check_store_load = kernel_cases.QUANT_FORMATS, kernel_cases.check_store_load
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@pytest.mark.parametrize("name", QUANT_FORMATS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_kernels_match_reference_cuda(name: str, dtype: torch.dtype, head_dim: int) -> None:
+    import kvtier.kernels.kv_quant as kq
+    check_store_load(kq, name, heads=8, page_size=16, head_dim=head_dim, num_pages=64, n_rows=500,
+                     device="cuda", dtype=dtype, exact_fp8=True)
+
+
+@pytest.mark.parametrize("name", FORMAT_NAMES)
+def test_cuda_pool_matches_cpu_pool(name: str) -> None:
+    """PagePool on CUDA (kernels) reads back what the CPU pool (reference) reads back."""
+    fmt = make_format(name)
+    gpu = PagePool(fmt, 2, 32, 4, 16, 128, "cuda", compute_dtype=torch.float32)
+    cpu = PagePool(fmt, 2, 32, 4, 16, 128, "cpu", compute_dtype=torch.float32)
+    g = torch.Generator().manual_seed(0)
+    slots = torch.randperm(32 * 16, generator=g)[:200]
+    k, v = torch.randn(2, 200, 4, 128, generator=g)
+    for pool in (gpu, cpu):
+        pool.write(1, slots.to(pool.device), k.to(pool.device), v.to(pool.device))
+    ids = torch.arange(32)
+    for a, b in zip(gpu.read(1, ids.cuda()), cpu.read(1, ids)):
+        if name == "fp8":  # CPU and GPU e4m3 casts agree on all but rare ties
+            assert (a.cpu() != b).float().mean() < 1e-3
+        else:
+            assert torch.equal(a.cpu(), b)
+
+
+@pytest.mark.parametrize("name", ["bf16", "int4"])
+def test_copy_to_gpu_pinned_host_round_trip(name: str) -> None:
+    fmt = make_format(name)
+    gpu = PagePool(fmt, 3, 40, 4, 16, 128, "cuda", compute_dtype=torch.bfloat16)
+    host = PagePool(fmt, 3, 100, 4, 16, 128, "cpu", compute_dtype=torch.bfloat16, pin=True)
+    assert host.layers[0]["k"].is_pinned()
+    slots = torch.arange(40 * 16, device="cuda")
+    for layer in range(3):
+        k, v = torch.randn(2, 40 * 16, 4, 128, device="cuda")
+        gpu.write(layer, slots, k, v)
+    before = [gpu.read(layer, torch.arange(40, device="cuda")) for layer in range(3)]
+    src, dst = list(range(0, 40, 2)), list(range(99, 79, -1))
+    gpu.copy_to(host, src, dst)
+    gpu.copy_to(gpu, list(range(1, 40, 2)), src)  # overwrite the copied-out pages on the GPU
+    host.copy_to(gpu, dst, src)  # and bring them back
+    for layer in range(3):
+        after = gpu.read(layer, torch.tensor(src, device="cuda"))
+        for x, y in zip(before[layer], after):
+            assert torch.equal(x[src], y)
