@@ -173,6 +173,9 @@ def cmd_models(a: argparse.Namespace) -> int:
 
 
 def cmd_bench(a: argparse.Namespace) -> int:
+    if a.swap_pages:
+        from kvtier.bench.swap import run_swap_bench
+        return run_swap_bench(a.swap_pages, a.page_size, a.out)
     from kvtier.bench.run import run_bench
     return run_bench(a)
 
@@ -222,6 +225,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--shape", default=None, help="random weights of a real shape (kvtier.bench.shapes)")
     p.add_argument("--cached-tokens", type=int, default=0, help="prefix-cache TTFT: cached history length")
     p.add_argument("--new-tokens", type=int, default=50, help="prefix-cache TTFT: new tokens after it")
+    p.add_argument("--swap-pages", type=int, default=0, help="host->GPU swap bandwidth over N pages")
     p.set_defaults(fn=cmd_bench)
     p = sub.add_parser("plan", help="memory plan for a model, context and limits")
     p.add_argument("--model", "-m", default=DEFAULT_MODEL)

@@ -21,6 +21,7 @@ from typing import Protocol
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
 
 
 @dataclass
@@ -119,6 +120,13 @@ def attend_one(q: torch.Tensor, kp: torch.Tensor, vp: torch.Tensor, ctx: int, n_
     gqa = hq != hkv  # grouped-query attention: each kv head serves hq/hkv query heads
     if n_new == 1:
         o = F.scaled_dot_product_attention(qq, kk, vv, scale=scale, enable_gqa=gqa)
+    elif q.is_cuda:
+        # flash / memory-efficient kernels: bottom-right-aligned causal mask, no [n, ctx] tensor
+        if gqa:
+            kk = kk.repeat_interleave(hq // hkv, dim=0)
+            vv = vv.repeat_interleave(hq // hkv, dim=0)
+        mask = causal_lower_right(n_new, ctx)
+        o = F.scaled_dot_product_attention(qq[None], kk[None], vv[None], attn_mask=mask, scale=scale)[0]
     else:
         # row i sits at position ctx - n_new + i and sees keys <= that position
         rows = torch.arange(ctx - n_new, ctx, device=q.device)[:, None]
