@@ -1,0 +1,23 @@
+"""SwiGLU feed-forward block: down(silu(gate(x)) * up(x)), gate and up fused."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from kvtier.layers.linear import FusedLinear, Linear
+
+
+class GatedMLP(torch.nn.Module):
+    def __init__(self, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor):
+        """gate, up: [I, H]; down: [H, I]."""
+        super().__init__()
+        self.gate_up = FusedLinear([gate, up])  # [2I, H]
+        self.down = Linear(down)
+        self.inter = int(gate.shape[0])
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """x: [T, H] -> [T, H]; with `residual` [T, H], returns residual + mlp(x) (fused into the GEMM)."""
+        gu = self.gate_up(x)  # [T, 2I]
+        act = F.silu(gu[:, :self.inter]).mul_(gu[:, self.inter:])  # [T, I]
+        return self.down(act) if residual is None else self.down.add_to(residual, act)
