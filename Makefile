@@ -31,8 +31,9 @@ install-test: $(VENV)/.stamp-test
 run: install
 	$(VENV)/bin/kvtier serve --model $(MODEL) --host $(HOST) --port $(PORT)
 
+# pytest exit 5 = "no tests collected": a failure here, never silently green.
 test: install-test
-	$(PY) -m pytest -q -x -p no:cacheprovider tests
+	$(PY) -m pytest -q -p no:cacheprovider --durations=15 tests
 
 clean:
 	rm -rf $(VENV) build *.egg-info
