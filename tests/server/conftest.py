@@ -21,12 +21,10 @@ from fastapi.testclient import TestClient  # noqa: E402
 from kvtier.config import ServerConfig
 from kvtier.server.app import create_app
 from tests.server.fakes import FakeEngine, HFTokenizer
-from tests.server.stub_parser import install_if_needed
 
 SERVER_START_TIMEOUT_S = 90  # tokenizer load + uvicorn start on a slow 2-core CI box
 API_KEY = "test-key-123"
 
-install_if_needed()
 
 
 def tokenizer_cache_dir() -> Path:

@@ -16,7 +16,6 @@ import uvicorn
 from kvtier.config import ServerConfig
 from kvtier.server.app import create_app
 from tests.server.fakes import FakeEngine, HFTokenizer
-from tests.server.stub_parser import install_if_needed
 
 
 def main() -> None:
@@ -29,7 +28,6 @@ def main() -> None:
     p.add_argument("--max-queue", type=int, default=256)
     p.add_argument("--max-model-len", type=int, default=4096)
     a = p.parse_args()
-    install_if_needed()
     logging.basicConfig(level=logging.INFO)
     engine = FakeEngine(HFTokenizer.load(a.tokenizer_dir), max_model_len=a.max_model_len, token_delay=a.token_delay)
     app = create_app(engine, ServerConfig(port=a.port, api_key=a.api_key, max_concurrency=a.max_concurrency,
