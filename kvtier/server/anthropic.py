@@ -104,11 +104,12 @@ def _choice(body: _AnthropicBase, tools) -> ToolChoice:
     tc = body.tool_choice
     if tc is None:
         return ToolChoice("auto" if tools else "none")
+    parallel = not tc.disable_parallel_tool_use
     if tc.type == "tool":
         if not tc.name:
             raise bad_request("tool_choice type 'tool' needs a name", param="tool_choice")
-        return ToolChoice("named", tc.name)
-    return ToolChoice({"any": "required"}.get(tc.type, tc.type))
+        return ToolChoice("named", tc.name, parallel=parallel)
+    return ToolChoice({"any": "required"}.get(tc.type, tc.type), parallel=parallel)
 
 
 def _thinking(body: _AnthropicBase) -> dict:

@@ -153,9 +153,8 @@ def create_app(engine, config: ServerConfig) -> FastAPI:
     """Build the app over an AsyncEngine (or anything with its interface)."""
     admission = Admission(config.max_concurrency, config.max_queue)
     metrics = Metrics(engine, admission)
-    vocab = getattr(engine, "vocab_size", None)
     ctx = ServerContext(engine=engine, config=config, admission=admission,
-                        grammars=GrammarProvider(engine.tokenizer, vocab), metrics=metrics,
+                        grammars=GrammarProvider(engine.tokenizer, engine.vocab_size), metrics=metrics,
                         served=_served_names(engine, config))
     app = FastAPI(title="kvtier", version="0.1.0", docs_url="/docs", redoc_url=None,
                   description="OpenAI- and Anthropic-compatible LLM server")

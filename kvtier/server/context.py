@@ -83,21 +83,26 @@ class GrammarProvider:
 
     def __init__(self, tokenizer, vocab_size: int | None):
         self.tokenizer = tokenizer
-        self.vocab_size = vocab_size
+        self.vocab_size = vocab_size or tokenizer.vocab_size
         self._cache = None
 
     def _compiler(self):
         if self._cache is None:
+            from transformers import PreTrainedTokenizerFast
+
             from kvtier.engine.grammar import GrammarCompilerCache
-            hf = self.tokenizer.hf
-            self._cache = GrammarCompilerCache(hf, self.vocab_size or len(hf))
+            # xgrammar reads the vocabulary through a transformers tokenizer; wrap kvtier's backend.
+            hf = PreTrainedTokenizerFast(tokenizer_object=self.tokenizer.backend)
+            self._cache = GrammarCompilerCache(hf, self.vocab_size,
+                                               stop_token_ids=sorted(self.tokenizer.eos_token_ids))
         return self._cache
 
     def for_request(self, tools: list[dict] | None, choice, fmt) -> Any:
         """required / named tool_choice, then response_format, then (tools offered) well-formed calls."""
         try:
             if tools and choice.mode in ("required", "named"):
-                compiled = self._compiler().tool_call_grammar(tools, choice.mode, choice.name)
+                compiled = self._compiler().tool_call_grammar(tools, choice.mode, choice.name,
+                                                              parallel=choice.parallel)
             elif fmt.kind == "json_object":
                 compiled = self._compiler().json_object()
             elif fmt.kind == "json_schema":
@@ -105,7 +110,7 @@ class GrammarProvider:
                     raise bad_request("json_schema needs a `schema` object", param="response_format")
                 compiled = self._compiler().json_schema(fmt.schema)
             elif tools and choice.mode == "auto":
-                compiled = self._compiler().tool_call_grammar(tools, "auto")
+                compiled = self._compiler().tool_call_grammar(tools, "auto", parallel=choice.parallel)
             else:
                 return None
         except APIError:

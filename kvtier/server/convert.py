@@ -32,10 +32,12 @@ THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 
 @dataclass(frozen=True)
 class ToolChoice:
-    """mode: none | auto | required | named (then `name` is the function)."""
+    """mode: none | auto | required | named (then `name` is the function);
+    parallel: more than one call per turn is allowed."""
 
     mode: str = "auto"
     name: str | None = None
+    parallel: bool = True
 
 
 @dataclass(frozen=True)

@@ -172,8 +172,8 @@ async def run_events(engine, prep: Prepared) -> AsyncIterator[object]:
             if out.finished:
                 done = True
                 reason = out.finish_reason
-                if reason == "stop" and parser.tool_calls and not parser.malformed:
-                    reason = "tool_calls"
+                if reason in ("stop", "length"):  # tool_calls when calls were made; length if cut in one
+                    reason = parser.finish_reason(reason)
                 yield Finished(reason, out.usage, out.stop_reason, out.error)
                 return
         done = True
@@ -201,6 +201,7 @@ async def collect(engine, prep: Prepared) -> Collected:
     """Run to completion and gather content, reasoning and tool calls (non-streamed APIs)."""
     res = Collected()
     calls: dict[int, ToolCallOut] = {}
+    ended: set[int] = set()  # a call abandoned as malformed gets no End and is left out
     async for ev in run_events(engine, prep):
         if isinstance(ev, TextDelta):
             res.content += ev.text
@@ -210,9 +211,11 @@ async def collect(engine, prep: Prepared) -> Collected:
             calls[ev.index] = ToolCallOut(ev.id, ev.name, "")
         elif isinstance(ev, ToolCallArgsDelta):
             calls[ev.index].arguments += ev.text
+        elif isinstance(ev, ToolCallEnd):
+            ended.add(ev.index)
         elif isinstance(ev, Finished):
             res.finished = ev
-    res.tool_calls = [calls[i] for i in sorted(calls)]
+    res.tool_calls = [calls[i] for i in sorted(calls) if i in ended]
     return res
 
 

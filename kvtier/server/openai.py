@@ -75,12 +75,12 @@ def _chat_messages(body: ChatCompletionRequest) -> list[dict]:
 
 
 def _chat_choice(body: ChatCompletionRequest) -> ToolChoice:
-    tc = body.tool_choice
+    tc, parallel = body.tool_choice, body.parallel_tool_calls is not False
     if tc is None:
-        return ToolChoice("auto" if body.tools else "none")
+        return ToolChoice("auto" if body.tools else "none", parallel=parallel)
     if isinstance(tc, str):
-        return ToolChoice(tc)
-    return ToolChoice("named", tc.function.name)
+        return ToolChoice(tc, parallel=parallel)
+    return ToolChoice("named", tc.function.name, parallel=parallel)
 
 
 def _chat_format(body: ChatCompletionRequest) -> OutputFormat:
@@ -115,7 +115,7 @@ def completion_to_prepared(ctx: ServerContext, body: CompletionRequest) -> Prepa
     if isinstance(prompt, str):
         ids = list(ctx.tokenizer.encode(prompt, add_special_tokens=True))
     else:
-        vocab = ctx.grammars.vocab_size or len(ctx.tokenizer.hf)
+        vocab = ctx.grammars.vocab_size
         bad = [t for t in prompt if not 0 <= t < vocab]
         if bad:
             raise bad_request(f"token id {bad[0]} is outside the vocabulary (0..{vocab - 1})", param="prompt")

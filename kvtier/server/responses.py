@@ -93,14 +93,14 @@ def _tools(body: ResponsesRequest) -> list[dict] | None:
 
 
 def _choice(body: ResponsesRequest, tools: list[dict] | None) -> ToolChoice:
-    tc = body.tool_choice
+    tc, parallel = body.tool_choice, body.parallel_tool_calls is not False
     if tc is None:
-        return ToolChoice("auto" if tools else "none")
+        return ToolChoice("auto" if tools else "none", parallel=parallel)
     if isinstance(tc, str):
-        return ToolChoice(tc)
+        return ToolChoice(tc, parallel=parallel)
     if tc.get("type") == "function" and isinstance(tc.get("name"), str):
-        return ToolChoice("named", tc["name"])
-    return ToolChoice("auto" if tools else "none")
+        return ToolChoice("named", tc["name"], parallel=parallel)
+    return ToolChoice("auto" if tools else "none", parallel=parallel)
 
 
 def _format(body: ResponsesRequest) -> OutputFormat:
@@ -142,7 +142,7 @@ def response_json(rid: str, body: ResponsesRequest, created: int, status: str, o
             "output": output, "usage": usage, "error": error,
             "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
             "instructions": body.instructions, "tools": body.tools or [],
-            "tool_choice": body.tool_choice or "auto", "parallel_tool_calls": True,
+            "tool_choice": body.tool_choice or "auto", "parallel_tool_calls": body.parallel_tool_calls is not False,
             "temperature": body.temperature, "top_p": body.top_p,
             "max_output_tokens": body.max_output_tokens, "previous_response_id": None,
             "text": {"format": fmt}, "reasoning": {"effort": body.reasoning.effort if body.reasoning else None,

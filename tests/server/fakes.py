@@ -46,6 +46,8 @@ class HFTokenizer:
 
     def __init__(self, hf):
         self.hf = hf
+        self.backend = hf.backend_tokenizer
+        self.vocab_size = len(hf)
         self.chat_template = hf.chat_template or ""
         self.has_tool_support = "tools" in self.chat_template
         self.eos_token_ids = frozenset({hf.eos_token_id})
