@@ -244,6 +244,7 @@ class AsyncEngine:
         self.model_name = engine.model_name
         self.max_model_len = engine.max_model_len
         self.tokenizer = engine.tokenizer
+        self.vocab_size = engine.model.spec.vocab_size  # logits width (grammar masks match it)
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._lock = threading.Lock()
