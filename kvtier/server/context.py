@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvtier.config import ServerConfig
+from kvtier.server.convert import OutputFormat, ToolChoice, tool_call_tag
 from kvtier.server.errors import APIError, Flavor, bad_request, overloaded
 
 log = logging.getLogger("kvtier.server")
@@ -97,12 +98,11 @@ class GrammarProvider:
                                                stop_token_ids=sorted(self.tokenizer.eos_token_ids))
         return self._cache
 
-    def for_request(self, tools: list[dict] | None, choice, fmt) -> Any:
+    def for_request(self, tools: list[dict] | None, choice: ToolChoice, fmt: OutputFormat) -> Any:
         """required / named tool_choice, then response_format, then (tools offered) well-formed calls."""
         try:
             if tools and choice.mode in ("required", "named"):
-                compiled = self._compiler().tool_call_grammar(tools, choice.mode, choice.name,
-                                                              parallel=choice.parallel)
+                compiled = self._compiler().structural_tag(tool_call_tag(tools, choice))
             elif fmt.kind == "json_object":
                 compiled = self._compiler().json_object()
             elif fmt.kind == "json_schema":
@@ -110,7 +110,7 @@ class GrammarProvider:
                     raise bad_request("json_schema needs a `schema` object", param="response_format")
                 compiled = self._compiler().json_schema(fmt.schema)
             elif tools and choice.mode == "auto":
-                compiled = self._compiler().tool_call_grammar(tools, "auto", parallel=choice.parallel)
+                compiled = self._compiler().structural_tag(tool_call_tag(tools, choice))
             else:
                 return None
         except APIError:

@@ -59,9 +59,40 @@ def tool_def(name: str, description: str | None, parameters: dict | None) -> dic
         "parameters": parameters if parameters is not None else {"type": "object", "properties": {}}}}
 
 
+def call_prefix(name: str) -> str:
+    """What a Hermes call is written as up to its arguments; the grammar forces exactly this."""
+    return f'<tool_call>\n{{"name": {json.dumps(name, ensure_ascii=False)}, "arguments": '
+
+
+CALL_SUFFIX = "}\n</tool_call>"
+
+
 def format_tool_call(name: str, arguments: str) -> str:
-    """A tool call exactly as the Hermes format has the model write it."""
-    return f'<tool_call>\n{{"name": {json.dumps(name, ensure_ascii=False)}, "arguments": {arguments}}}\n</tool_call>'
+    """A tool call exactly as the model wrote it under the tool grammar (so history re-renders
+    to the same tokens): fixed framing around the arguments text as generated."""
+    return call_prefix(name) + arguments + CALL_SUFFIX
+
+
+def tool_call_tag(tools: list[dict], choice: ToolChoice) -> dict:
+    """xgrammar structural tag for Hermes calls with the framing of `format_tool_call`.
+
+    required / named: one or more calls (one unless parallel) and no other text;
+    auto: free text, and whatever follows `<tool_call>` must be a well-formed call.
+    """
+    from kvtier.engine.grammar import MAX_JSON_WHITESPACE, TOOL_CALL_TRIGGER, tool_spec
+    specs = [tool_spec(t) for t in tools]
+    if choice.mode == "named":
+        specs = [s for s in specs if s[0] == choice.name]
+    tags = [{"type": "tag", "begin": call_prefix(name), "end": CALL_SUFFIX,
+             "content": {"type": "json_schema", "json_schema": params, "max_whitespace_cnt": MAX_JSON_WHITESPACE}}
+            for name, params in specs]
+    if choice.mode == "auto":
+        fmt = {"type": "triggered_tags", "triggers": [TOOL_CALL_TRIGGER], "tags": tags,
+               "at_least_one": False, "stop_after_first": not choice.parallel}
+    else:
+        fmt = {"type": "tags_with_separator", "tags": tags, "separator": "\n",
+               "at_least_one": True, "stop_after_first": not choice.parallel}
+    return {"type": "structural_tag", "format": fmt}
 
 
 def text_of(content: Any, where: str) -> str:
