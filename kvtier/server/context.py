@@ -11,6 +11,7 @@ from typing import Any
 from kvtier.config import ServerConfig
 from kvtier.server.convert import OutputFormat, ToolChoice, tool_call_tag
 from kvtier.server.errors import APIError, Flavor, bad_request, overloaded
+from kvtier.server.history import OutputMemory
 
 log = logging.getLogger("kvtier.server")
 
@@ -140,6 +141,7 @@ class ServerContext:
     grammars: GrammarProvider
     metrics: Any = None
     served: tuple[str, ...] = field(default_factory=tuple)
+    outputs: OutputMemory = field(default_factory=OutputMemory)
     created: int = field(default_factory=lambda: int(time.time()))
 
     @property

@@ -248,13 +248,13 @@ def prepare(ctx, request_id: str, messages: list[dict], tools: list[dict] | None
     check_tool_choice(choice, tools)
     offered = tools if choice.mode != "none" else None
     text = render_prompt(ctx.tokenizer, messages, offered, template_kwargs) + prefill
-    ids = encode(ctx.tokenizer, text)
+    ids = ctx.outputs.encode(ctx.tokenizer, text)  # earlier replies keep their own token ids
     budget = resolve_max_tokens(max_tokens, len(ids), ctx.max_model_len)
     params = sampling_params(body, budget, stop)
     grammar = ctx.grammars.for_request(offered, choice, fmt)
     return Prepared(request=Request(request_id, ids, params, grammar=grammar),
                     tools=bool(offered), starts_in_reasoning=starts_in_reasoning(text), prompt_text=text,
-                    tool_names=tuple(t["function"]["name"] for t in offered or []))
+                    tool_names=tuple(t["function"]["name"] for t in offered or []), memory=ctx.outputs)
 
 
 def prepare_raw(ctx, request_id: str, ids: list[int], body: Any, max_tokens: int | None,

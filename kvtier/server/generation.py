@@ -18,7 +18,8 @@ from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass, field
 from typing import TypeVar
 
-from kvtier.engine.request import ContextOverflowError, Progress, Request, Usage
+from kvtier.engine.request import ContextOverflowError, Output, Progress, Request, Usage
+from kvtier.server.history import OutputMemory
 from kvtier.server.parsing import (OutputParser, ReasoningDelta, TextDelta, ToolCallArgsDelta,
                                    ToolCallEnd, ToolCallStart)
 
@@ -39,6 +40,7 @@ class Prepared:
     reasoning: bool = True  # parse <think> blocks (off for raw completions)
     prompt_text: str = ""
     tool_names: tuple[str, ...] = ()
+    memory: OutputMemory | None = None  # remembers the output's token ids for the next turn
 
 
 @dataclass
@@ -153,9 +155,12 @@ async def run_events(engine, prep: Prepared) -> AsyncIterator[object]:
     names: dict[int, str] = {}
     ws = _WhitespaceHold()
     done = False
+    text, ids = [], []
     stream = engine.generate(req)
     try:
         async for out in stream:
+            text.append(out.text)
+            ids += out.token_ids
             if out.progress is not None and not out.finished:
                 plog.prefill(out.progress)
                 yield ProgressEvent(out.progress)
@@ -171,6 +176,8 @@ async def run_events(engine, prep: Prepared) -> AsyncIterator[object]:
                 yield ev
             if out.finished:
                 done = True
+                if prep.memory is not None:
+                    _remember(prep.memory, out, "".join(text), ids)
                 reason = out.finish_reason
                 if reason in ("stop", "length"):  # tool_calls when calls were made; length if cut in one
                     reason = parser.finish_reason(reason)
@@ -186,6 +193,14 @@ async def run_events(engine, prep: Prepared) -> AsyncIterator[object]:
         if not done:
             engine.abort(req.request_id)
         await _close(stream)
+
+
+def _remember(memory: OutputMemory, last: Output, text: str, ids: list[int]) -> None:
+    """Keep (text, ids) when the ids decode to exactly the text a client will send back."""
+    if last.finish_reason == "length":
+        memory.remember(text, ids)
+    elif last.finish_reason == "stop" and isinstance(last.stop_reason, int):  # stop token: no text of its own
+        memory.remember(text, ids[:-1])
 
 
 async def _close(stream) -> None:
