@@ -104,6 +104,23 @@ class ServerProcess:
         self.log.close()
 
 
+# The embedded model served for real: CPU, small context so prompt + max_tokens checks are cheap,
+# small prefill chunks so a ~1k-token prompt reports progress.
+REAL_MODEL_ARGS = ["--device", "cpu", "--max-model-len", "2048", "--prefill-chunk", "128"]
+
+
+def real_server_process(*extra: str) -> ServerProcess:
+    return ServerProcess([sys.executable, "-m", "kvtier", "serve", *REAL_MODEL_ARGS, *extra])
+
+
+@pytest.fixture(scope="session")
+def real_server():
+    """`kvtier serve` on the embedded SmolLM2-135M, shared by every real-model test module."""
+    srv = real_server_process("--api-key", API_KEY, "--max-concurrency", "8", "--max-queue", "64")
+    yield srv
+    srv.stop()
+
+
 @pytest.fixture(scope="session")
 def fake_server(tokenizer_dir):
     """A real uvicorn process over the FakeEngine (the real-model variant lives beside it)."""
