@@ -21,7 +21,10 @@ console = Console(stderr=True)
 def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", "-m", default=DEFAULT_MODEL, help="model name (kvtier models list) or path")
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
-    p.add_argument("--dtype", default="auto", choices=("auto", "fp32", "bf16", "fp16"))
+    p.add_argument("--dtype", default="auto", choices=("auto", "fp32", "bf16", "fp16"),
+                   help="weights/activations (auto: bf16 on CUDA and bf16-capable CPUs, else fp32)")
+    p.add_argument("--decode-weights", default="auto", choices=("auto", "dense", "int8"),
+                   help="small-batch matmuls: int8 weight copy (auto: on CPU with bf16)")
     p.add_argument("--kv-dtype", default="auto")
     p.add_argument("--page-size", type=int, default=DEFAULT_PAGE_SIZE)
     p.add_argument("--gpu-kv-mib", type=int, default=None, help="KV pool size on the compute device")
@@ -38,7 +41,7 @@ def _engine_config(a: argparse.Namespace) -> EngineConfig:
                         host_kv_mib=a.host_kv_mib, enable_prefix_cache=not a.no_prefix_cache)
     return EngineConfig(device=a.device, dtype=a.dtype, max_batch=a.max_batch,
                         prefill_chunk=a.prefill_chunk, max_model_len=a.max_model_len,
-                        cache=cache, threads=a.threads)
+                        cache=cache, threads=a.threads, decode_weights=a.decode_weights)
 
 
 def _sampling_args(p: argparse.ArgumentParser) -> None:
@@ -62,7 +65,8 @@ def cmd_serve(a: argparse.Namespace) -> int:
 
     key = a.api_key or os.environ.get("KVTIER_API_KEY")
     scfg = ServerConfig(host=a.host, port=a.port, api_key=key, cors=a.cors,
-                        max_concurrency=a.max_concurrency, model_name=a.served_name or a.model)
+                        max_concurrency=a.max_concurrency, max_queue=a.max_queue,
+                        model_name=a.served_name or a.model)
     engine = build_engine(a.model, _engine_config(a), console=console)
     scfg = ServerConfig(**{**scfg.__dict__, "model_name": a.served_name or engine.model_name})
     url = f"http://{a.host}:{a.port}"
@@ -194,7 +198,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", default=None, help="required off loopback (or KVTIER_API_KEY)")
     p.add_argument("--cors", action="store_true", help="allow cross-origin browser requests")
-    p.add_argument("--max-concurrency", type=int, default=64)
+    p.add_argument("--max-concurrency", type=int, default=64, help="requests in the engine at once")
+    p.add_argument("--max-queue", type=int, default=256, help="requests waiting beyond those; more get 429/529")
     p.add_argument("--served-name", default=None)
     p.set_defaults(fn=cmd_serve)
     p = sub.add_parser("generate", help="complete one prompt")
