@@ -87,14 +87,18 @@ class CacheConfig:
 @dataclass(frozen=True)
 class EngineConfig:
     device: str = "auto"
-    dtype: str = "auto"  # weights/activations: auto = fp32 on CPU, bf16 on CUDA
+    dtype: str = "auto"  # weights/activations: auto = bf16 on CUDA and on CPUs with native bf16, else fp32
     max_batch: int = DEFAULT_MAX_BATCH
     prefill_chunk: int = DEFAULT_PREFILL_CHUNK
     max_model_len: int | None = None  # None = the model's trained context
     cache: CacheConfig = field(default_factory=CacheConfig)
     threads: int | None = None
+    # Small-batch matmul weights: auto = an int8 copy on CPU with bf16 (layers/linear.py), else dense
+    decode_weights: str = "auto"
 
     def __post_init__(self) -> None:
+        if self.decode_weights not in ("auto", "dense", "int8"):
+            raise ValueError(f"decode_weights must be auto|dense|int8, got {self.decode_weights!r}")
         if self.device not in DEVICES:
             raise ValueError(f"device must be one of {', '.join(DEVICES)}, got {self.device!r}")
         if self.dtype not in ("auto", "fp32", "bf16", "fp16"):

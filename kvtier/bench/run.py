@@ -91,7 +91,7 @@ def _timed_request(engine, ids: list[int], gen: int) -> tuple[float, float, int]
 def bench_kvtier(engine, ids: list[int], gen: int, bandwidth: float) -> Result:
     _timed_request(engine, ids[:16], 4)  # warm-up: kernels, allocator
     ttft, total, n = _timed_request(engine, ids, gen)
-    wbytes = sum(t.numel() * t.element_size() for t in engine.model.parameters())
+    wbytes = engine.model.decode_weight_bytes()
     return Result("kvtier", len(ids), n, ttft, len(ids) / ttft, (n - 1) / (total - ttft), wbytes, bandwidth)
 
 
@@ -113,13 +113,30 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize()
 
 
+def load_hf(path: Path, dtype: torch.dtype):
+    """HF transformers' own model for a GGUF file or an HF directory.
+
+    For GGUF this is what `from_pretrained(dir, gguf_file=...)` does (transformers
+    reads and dequantises the file itself), minus that path's hard requirement on
+    `accelerate`, which kvtier does not need.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if path.suffix != ".gguf":
+        return AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype)
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    cfg = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
+    state = load_gguf_checkpoint(path, return_tensors=True, model_to_load=model)["tensors"]
+    model.load_state_dict({k: v.to(dtype) for k, v in state.items()}, strict=False)
+    model.tie_weights()
+    return model
+
+
 def bench_hf(path: Path, ids: list[int], gen: int, device: torch.device, dtype: torch.dtype,
              bandwidth: float) -> Result:
-    from transformers import AutoModelForCausalLM
-
-    kw = {"gguf_file": path.name} if path.suffix == ".gguf" else {}
-    src = str(path.parent) if path.suffix == ".gguf" else str(path)
-    model = AutoModelForCausalLM.from_pretrained(src, dtype=dtype, **kw).to(device).eval()
+    model = load_hf(path, dtype).to(device).eval()
     x = torch.tensor([ids], device=device)
     with torch.inference_mode():
         model.generate(x[:, :16], max_new_tokens=4, do_sample=False)
@@ -178,7 +195,7 @@ def bench_llama_cpp(path: Path, ids: list[int], gen: int, threads: int, bandwidt
 def _build(a: argparse.Namespace):
     """(engine, hf model or path, ids) for a named/path model or a random-weight shape."""
     from kvtier.cli import _engine_config
-    from kvtier.engine.build import DTYPES, build_engine, resolve_device
+    from kvtier.engine.build import DTYPES, build_engine, prepare_model, resolve_device
     from kvtier.engine.engine import Engine
     from kvtier.models.hub import resolve_model
 
@@ -188,7 +205,7 @@ def _build(a: argparse.Namespace):
         cfg = resolve_device(_engine_config(a))
         dev, dt = torch.device(cfg.device), DTYPES[cfg.dtype]
         hf = random_hf_model(a.shape, dt, dev)
-        net = kvtier_from_hf(hf, dt, dev)
+        net = prepare_model(kvtier_from_hf(hf, dt, dev), cfg)
         engine = Engine(net, None, cfg, model_name=f"random-{a.shape}")
         ids = synthetic_ids(a.prompt_tokens, net.spec.vocab_size, 31)
         return engine, hf, ids

@@ -12,6 +12,7 @@ from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeEl
 
 from kvtier.config import EngineConfig
 from kvtier.engine.engine import Engine
+from kvtier.layers.linear import int8_gemv_supported
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -25,8 +26,28 @@ def resolve_device(config: EngineConfig) -> EngineConfig:
         raise ValueError("--device cuda was asked for, but this torch build sees no CUDA device")
     dtype = config.dtype
     if dtype == "auto":
-        dtype = "fp32" if device == "cpu" else "bf16"
-    return replace(config, device=device, dtype=dtype)
+        dtype = "bf16" if device == "cuda" or cpu_has_native_bf16() else "fp32"
+    decode_weights = config.decode_weights
+    if decode_weights == "auto":
+        decode_weights = "int8" if int8_gemv_supported(torch.device(device), DTYPES[dtype]) else "dense"
+    elif decode_weights == "int8" and not int8_gemv_supported(torch.device(device), DTYPES[dtype]):
+        raise ValueError(f"int8 decode weights need bf16 on CPU (got {dtype} on {device})")
+    return replace(config, device=device, dtype=dtype, decode_weights=decode_weights)
+
+
+def cpu_has_native_bf16() -> bool:
+    """AVX512-BF16 or AMX: bf16 matmuls run natively (oneDNN), not emulated."""
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):
+        return False
+
+
+def prepare_model(net, config: EngineConfig):
+    """Apply the resolved config's weight options to a built Decoder."""
+    if config.decode_weights == "int8":
+        net.enable_int8_gemv()
+    return net
 
 
 def build_engine(model: str, config: EngineConfig | None = None, show_progress: bool = True,
@@ -51,15 +72,19 @@ def build_engine(model: str, config: EngineConfig | None = None, show_progress: 
         dev = torch.device(config.device)
         net = Decoder.from_tensors(ckpt.spec, ckpt.tensors, dtype=DTYPES[config.dtype], device=dev)
         del ckpt.tensors
+        prepare_model(net, config)
         prog.update(task, advance=1, description="loading tokenizer")
         tok = Tokenizer.from_checkpoint(ckpt)
         prog.update(task, advance=1)
     name = model if not Path(model).exists() else Path(model).stem
     engine = Engine(net, tok, config, model_name=name)
+    # Offloaded pages of sequences longer than the GPU pool are streamed from the host tier.
+    engine.runner.backend.attach_host_tier(engine.host_pool)
     if show_progress:
         spec = ckpt.spec
         console.print(f"[green]loaded[/] {name}: {spec.arch}, {spec.num_layers} layers, "
-                      f"hidden {spec.hidden_size}, on {config.device} ({config.dtype}) "
+                      f"hidden {spec.hidden_size}, on {config.device} ({config.dtype}"
+                      f"{', int8 decode weights' if config.decode_weights == 'int8' else ''}) "
                       f"in {time.monotonic() - t0:.1f}s; KV {engine.kv_format}, "
                       f"{engine.pool.num_pages} pages x {config.cache.page_size} tokens")
     return engine

@@ -12,6 +12,16 @@ A step's tokens are packed ("varlen"): T new tokens from B sequences.
     seq b attends to its first seq_lens[b] tokens; its new tokens are the last
     (q[b+1]-q[b]) of those, so row i of seq b sits at absolute position
     seq_lens[b] - n_new_b + i and sees keys 0..that position (causal).
+
+A sequence longer than the compute pool has its oldest pages in the host
+tier: its page table starts with negative entries, host_ref(h) = -1 - h
+(kvtier/kv/manager.py). The dense backend streams those pages through the
+device in chunks of `stream_pages` and merges the partial softmaxes by their
+log-sum-exp, so the result equals attention over one big pool:
+
+    page table:  | -1-h0  -1-h1 ... (host, streamed) | g0 g1 ... (compute pool) |
+    keys:        0                                   base = n_host * page_size   ctx
+    new rows all sit in the compute-pool part (only computed pages are offloaded).
 """
 
 from __future__ import annotations
@@ -55,32 +65,87 @@ class AttentionBackend(Protocol):
         """q: [T, Hq, D], k/v: [T, Hkv, D] -> out [T, Hq, D]."""
 
 
+class HostKVStore(Protocol):
+    """The host tier as attention streams it (kv/pool.py PagePool implements it)."""
+
+    def stream_read(self, layer: int, page_ids: torch.Tensor,
+                    device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """Move pages' stored codes to `device`, decode there -> k, v: [P, Hkv, ps, D]."""
+
+
+# Host pages moved to the device per streamed chunk: bounds the staging memory
+# (chunk x page bytes) while keeping each copy large enough to be batched.
+DEFAULT_STREAM_PAGES = 64
+
+
 class DensePagedAttention:
     """Reference backend: gathers each sequence's pages and runs torch SDPA.
 
     Exact (no selection); the correctness reference for every other backend.
+    Pages in the host tier (negative page-table entries) are streamed from
+    `host_store` in chunks (see the module docstring).
     """
 
-    def __init__(self, store: KVStore, scale: float):
+    def __init__(self, store: KVStore, scale: float, host_store: HostKVStore | None = None,
+                 stream_pages: int = DEFAULT_STREAM_PAGES):
+        if stream_pages < 1:
+            raise ValueError(f"stream_pages must be >= 1, got {stream_pages}")
         self.store = store
         self.scale = scale
+        self.host_store = host_store
+        self.stream_pages = stream_pages
+
+    def attach_host_tier(self, host_store: HostKVStore | None) -> None:
+        """Set the host pool that offloaded pages are streamed from."""
+        self.host_store = host_store
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
         self.store.write(layer, meta.slot_mapping, k, v)
-        if len(meta.query_start_loc) - 1 == q.shape[0] and meta.num_seqs > 1:
+        ps = self.store.page_size
+        tables = [pt[:(n + ps - 1) // ps] for pt, n in zip(meta.page_tables, meta.seq_lens)]
+        streamed = [sum(1 for p in pt if p < 0) for pt in tables]
+        if len(meta.query_start_loc) - 1 == q.shape[0] and meta.num_seqs > 1 and not any(streamed):
             return self._decode_batch(layer, q, meta)  # every sequence brings one new token
         out = torch.empty_like(q)
-        ps = self.store.page_size
         qsl = meta.query_start_loc
         for b in range(meta.num_seqs):
             lo, hi = qsl[b], qsl[b + 1]
             n_new, ctx = hi - lo, meta.seq_lens[b]
-            n_pages = (ctx + ps - 1) // ps
-            pages = torch.tensor(meta.page_tables[b][:n_pages], dtype=torch.long, device=q.device)
+            if streamed[b]:
+                out[lo:hi] = self._attend_streamed(layer, q[lo:hi], tables[b], streamed[b], ctx)
+                continue
+            pages = torch.tensor(tables[b], dtype=torch.long, device=q.device)
             kp, vp = self.store.read(layer, pages)  # [P, Hkv, ps, D]
             out[lo:hi] = attend_one(q[lo:hi], kp, vp, ctx, n_new, self.scale)
         return out
+
+    def _attend_streamed(self, layer: int, q: torch.Tensor, table: list[int], n_host: int,
+                         ctx: int) -> torch.Tensor:
+        """One sequence whose first n_host pages are in the host tier.
+
+        q: [n_new, Hq, D] -> [n_new, Hq, D]. Host chunks are fully visible to
+        every new row; the compute-pool part gets the causal mask.
+        """
+        if self.host_store is None:
+            raise RuntimeError("a sequence has pages in the host tier but this attention backend "
+                               "has no host tier attached (attach_host_tier)")
+        if any(p >= 0 for p in table[:n_host]) or any(p < 0 for p in table[n_host:]):
+            raise ValueError("host pages must form the head of a page table")
+        ps, n_new = self.store.page_size, q.shape[0]
+        base = n_host * ps
+        if base > ctx - n_new:
+            raise ValueError("new tokens of a step must sit in compute-pool pages")
+        host_ids = torch.tensor([-1 - p for p in table[:n_host]], dtype=torch.long)
+        acc: tuple[torch.Tensor, torch.Tensor] | None = None
+        for i in range(0, n_host, self.stream_pages):
+            chunk = host_ids[i:i + self.stream_pages]
+            kp, vp = self.host_store.stream_read(layer, chunk, q.device)
+            acc = merge_partials(acc, attend_partial(q, kp, vp, chunk.numel() * ps, n_new, self.scale))
+        pages = torch.tensor(table[n_host:], dtype=torch.long, device=q.device)
+        kp, vp = self.store.read(layer, pages)
+        acc = merge_partials(acc, attend_partial(q, kp, vp, ctx - base, n_new, self.scale, causal=True))
+        return acc[0].to(q.dtype)
 
 
     def _decode_batch(self, layer: int, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
@@ -102,8 +167,11 @@ class DensePagedAttention:
         lens = torch.tensor(meta.seq_lens, device=q.device)
         mask = torch.arange(max_p * ps, device=q.device)[None, :] < lens[:, None]  # [B, L]
         qq = q.unsqueeze(2).to(kk.dtype)  # [B, Hq, 1, D]
-        o = F.scaled_dot_product_attention(qq, kk, vv, attn_mask=mask[:, None, None, :],
-                                           scale=self.scale, enable_gqa=q.shape[1] != hkv)
+        if q.is_cuda:
+            o = F.scaled_dot_product_attention(qq, kk, vv, attn_mask=mask[:, None, None, :],
+                                               scale=self.scale, enable_gqa=q.shape[1] != hkv)
+        else:
+            o = decode_attend_cpu(qq, kk, vv, self.scale, mask[:, None, None, :])
         return o.squeeze(2).to(q.dtype)
 
 
@@ -118,7 +186,9 @@ def attend_one(q: torch.Tensor, kp: torch.Tensor, vp: torch.Tensor, ctx: int, n_
     vv = vp.permute(1, 0, 2, 3).reshape(hkv, -1, d)[:, :ctx]
     qq = q.transpose(0, 1).to(kk.dtype)  # [Hq, n_new, D]
     gqa = hq != hkv  # grouped-query attention: each kv head serves hq/hkv query heads
-    if n_new == 1:
+    if n_new == 1 and not q.is_cuda:
+        o = decode_attend_cpu(qq, kk, vv, scale)
+    elif n_new == 1:
         o = F.scaled_dot_product_attention(qq, kk, vv, scale=scale, enable_gqa=gqa)
     elif q.is_cuda:
         # flash / memory-efficient kernels: bottom-right-aligned causal mask, no [n, ctx] tensor
@@ -134,3 +204,59 @@ def attend_one(q: torch.Tensor, kp: torch.Tensor, vp: torch.Tensor, ctx: int, n_
         mask = cols <= rows  # [n_new, ctx]
         o = F.scaled_dot_product_attention(qq, kk, vv, attn_mask=mask, scale=scale, enable_gqa=gqa)
     return o.transpose(0, 1).to(q.dtype)
+
+
+def decode_attend_cpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                      mask: torch.Tensor | None = None) -> torch.Tensor:
+    """One query row per head over a context, as two batched matmuls (CPU decode).
+
+    torch's CPU SDPA has a high fixed cost for a single query row (measured 0.15 ms
+    at 256 keys and 4 ms at 2K keys in bf16, against 0.02 / 0.15 ms here). Query
+    heads are grouped by the kv head they share (GQA), softmax runs in fp32.
+    q: [..., Hq, 1, D]; k, v: [..., Hkv, L, D]; mask: bool [..., 1, 1, L] (True = attend)
+    -> [..., Hq, 1, D]
+    """
+    *batch, hq, _, d = q.shape
+    hkv = k.shape[-3]
+    qg = q.reshape(*batch, hkv, hq // hkv, d)  # head h reads kv head h // (hq / hkv)
+    s = torch.matmul(qg, k.transpose(-1, -2)).float().mul_(scale)  # [..., Hkv, g, L]
+    if mask is not None:
+        s.masked_fill_(~mask.reshape(*batch, 1, 1, -1), float("-inf"))
+    p = torch.softmax(s, dim=-1).to(v.dtype)
+    return torch.matmul(p, v).reshape(*batch, hq, 1, d)
+
+
+def attend_partial(q: torch.Tensor, kp: torch.Tensor, vp: torch.Tensor, ctx: int, n_new: int,
+                   scale: float, causal: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax attention of q over one block of keys, with its log-sum-exp (fp32).
+
+    q: [n_new, Hq, D]; kp/vp: [P, Hkv, ps, D] holding the block's keys 0..ctx-1
+    (P * ps >= ctx; the rest is padding). With `causal`, the block ends at the new rows: row i
+    (position ctx - n_new + i inside the block) sees keys <= that position;
+    without, every row sees every key. -> (out [n_new, Hq, D], lse [n_new, Hq])
+    """
+    hq, hkv, d = q.shape[1], kp.shape[1], kp.shape[3]
+    kk = kp.permute(1, 0, 2, 3).reshape(hkv, -1, d)[:, :ctx].float()  # [Hkv, ctx, D]
+    vv = vp.permute(1, 0, 2, 3).reshape(hkv, -1, d)[:, :ctx].float()
+    if hq != hkv:  # grouped-query attention: query head h reads kv head h // (hq / hkv)
+        kk = kk.repeat_interleave(hq // hkv, dim=0)
+        vv = vv.repeat_interleave(hq // hkv, dim=0)
+    s = (q.transpose(0, 1).float() @ kk.transpose(1, 2)) * scale  # [Hq, n_new, ctx]
+    if causal:
+        rows = torch.arange(ctx - n_new, ctx, device=q.device)[:, None]
+        cols = torch.arange(ctx, device=q.device)[None, :]
+        s = s.masked_fill(cols > rows, float("-inf"))
+    lse = torch.logsumexp(s, dim=-1)  # [Hq, n_new]
+    o = torch.softmax(s, dim=-1) @ vv  # [Hq, n_new, D]
+    return o.transpose(0, 1), lse.transpose(0, 1)
+
+
+def merge_partials(acc: tuple[torch.Tensor, torch.Tensor] | None,
+                   part: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Combine two softmax partials over disjoint key blocks: weights exp(lse_i - lse)."""
+    if acc is None:
+        return part
+    (o1, l1), (o2, l2) = acc, part
+    lse = torch.logaddexp(l1, l2)  # [n, Hq]
+    w1, w2 = torch.exp(l1 - lse)[..., None], torch.exp(l2 - lse)[..., None]
+    return o1 * w1 + o2 * w2, lse

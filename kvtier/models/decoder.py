@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from kvtier.config import ModelSpec
 from kvtier.layers.attention import AttentionBackend, AttentionMetadata
-from kvtier.layers.linear import FusedLinear, Linear
+from kvtier.layers.linear import INT8_GEMV_MAX_ROWS, FusedLinear, Linear, quantize_rows_int8
 from kvtier.layers.mlp import GatedMLP
 from kvtier.layers.norm import RMSNorm
 from kvtier.layers.rotary import RotaryEmbedding, apply_rotary
@@ -120,6 +120,29 @@ class Decoder(torch.nn.Module):
         with torch.device(device):
             return cls(spec, cast, dtype, device)
 
+    def enable_int8_gemv(self) -> None:
+        """Int8 weight copies for small-batch (decode) matmuls, lm_head included (layers/linear.py)."""
+        for m in self.modules():
+            if isinstance(m, Linear):
+                m.enable_int8_gemv()
+        q, s = quantize_rows_int8(self.lm_head.data)
+        self.register_buffer("head_q", q, persistent=False)
+        self.register_buffer("head_scale", s, persistent=False)
+
+    @property
+    def int8_gemv(self) -> bool:
+        return getattr(self, "head_q", None) is not None
+
+    def decode_weight_bytes(self) -> int:
+        """Weight bytes one decode step reads: every matmul once, norms, one embedding row."""
+        lin = [m for m in self.modules() if isinstance(m, Linear)]
+        total = sum(m.decode_bytes() for m in lin)
+        norms = sum(p.numel() * p.element_size() for n, p in self.named_parameters()
+                    if n.endswith("norm.weight"))
+        head = (self.head_q.numel() + self.head_scale.numel() * self.head_scale.element_size()
+                if self.int8_gemv else self.lm_head.numel() * self.lm_head.element_size())
+        return total + norms + head + self.embed.shape[1] * self.embed.element_size()
+
     @property
     def kv_shape(self) -> tuple[int, int, int]:
         """(num_layers, num_kv_heads, head_dim): what a PagePool must hold per token."""
@@ -138,4 +161,6 @@ class Decoder(torch.nn.Module):
         for i, layer in enumerate(self.layers):
             h = layer(i, h, cos, sin, meta, backend)
         h = self.norm(h.index_select(0, meta.logits_indices))  # [N, H]
+        if self.int8_gemv and h.shape[0] <= INT8_GEMV_MAX_ROWS:
+            return torch._weight_int8pack_mm(h.contiguous(), self.head_q, self.head_scale).float()
         return F.linear(h, self.lm_head).float()  # [N, V]
