@@ -57,6 +57,9 @@ class _NoDetok:
     def flush(self) -> str:
         return ""
 
+# --kv-dtype auto: KV stored in the model's compute dtype.
+KV_DTYPE_FOR_COMPUTE = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+
 
 class Engine:
     def __init__(self, model: torch.nn.Module, tokenizer: Tokenizer | None, config: EngineConfig,
@@ -69,11 +72,10 @@ class Engine:
         self.device = next(model.parameters()).device
         self.max_model_len = max_model_len or config.max_model_len or spec.max_position_embeddings
         cc = config.cache
-        kv_dtype = cc.kv_dtype if cc.kv_dtype != "auto" else (
-            "fp32" if self.device.type == "cpu" else "bf16")
+        compute = next(model.parameters()).dtype
+        kv_dtype = cc.kv_dtype if cc.kv_dtype != "auto" else KV_DTYPE_FOR_COMPUTE[compute]
         fmt = make_format(kv_dtype)
         num_pages = cc.num_pages or self._auto_pages(fmt, spec)
-        compute = next(model.parameters()).dtype
         self.pool = PagePool(fmt, spec.num_layers, num_pages, spec.num_kv_heads, cc.page_size,
                              spec.head_dim, self.device, compute_dtype=compute)
         host_pages = 0

@@ -7,7 +7,9 @@ import math
 import torch
 
 # Rope types whose frequencies we know how to compute ("default" = plain RoPE).
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+# "freq_factors": per-frequency divisors as GGUF files store them (llama.cpp's rope_freqs tensor;
+# what convert_hf_to_gguf.py writes for Llama 3.1+ instead of the llama3 parameters).
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "freq_factors")
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
@@ -17,6 +19,11 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Te
     if rope_type == "default":
         return inv
     assert scaling is not None
+    if rope_type == "freq_factors":
+        factors = torch.tensor(scaling["freq_factors"], dtype=torch.float32)
+        if factors.shape != inv.shape:
+            raise ValueError(f"rope freq_factors has {factors.numel()} entries, expected {inv.numel()}")
+        return inv / factors
     factor = float(scaling["factor"])
     if rope_type == "linear":
         return inv / factor
@@ -29,7 +36,9 @@ def _rope_type(scaling: dict | None) -> str:
     rope_type = scaling.get("rope_type", scaling.get("type", "default"))
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise ValueError(f"unsupported rope_scaling type {rope_type!r} (supported: {', '.join(SUPPORTED_ROPE_TYPES)})")
-    if rope_type != "default" and "factor" not in scaling:
+    if rope_type == "freq_factors" and "freq_factors" not in scaling:
+        raise ValueError("rope_scaling of type 'freq_factors' needs 'freq_factors'")
+    if rope_type not in ("default", "freq_factors") and "factor" not in scaling:
         raise ValueError(f"rope_scaling of type {rope_type!r} needs a 'factor'")
     return rope_type
 

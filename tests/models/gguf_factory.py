@@ -42,7 +42,8 @@ def hf_to_gguf_name(name: str) -> str:
 def write_gguf(path: Path, arch: str, cfg: dict, tensors: dict[str, torch.Tensor],
                qtype: GGMLQuantizationType = GGMLQuantizationType.F32, extra_kv: dict | None = None,
                tokens: list[str] | None = None,
-               raw: dict[str, tuple[np.ndarray, GGMLQuantizationType]] | None = None) -> Path:
+               raw: dict[str, tuple[np.ndarray, GGMLQuantizationType]] | None = None,
+               extra_tensors: dict[str, np.ndarray] | None = None) -> Path:
     """Write HF-named `tensors` as a GGUF of `arch`; 2-D weights in `qtype`, norms/biases in F32.
 
     `raw` overrides tensors by name with already-quantized bytes ([rows, row_bytes] uint8).
@@ -66,6 +67,8 @@ def write_gguf(path: Path, arch: str, cfg: dict, tensors: dict[str, torch.Tensor
         w.add_array("tokenizer.ggml.tokens", tokens)
     for k, v in (extra_kv or {}).items():
         w.add_string(k, v) if isinstance(v, str) else w.add_uint32(k, v)
+    for gname, a in (extra_tensors or {}).items():  # GGUF-named F32 tensors (e.g. rope_freqs.weight)
+        w.add_tensor(gname, np.ascontiguousarray(a, dtype=np.float32))
     for name, (data, raw_type) in (raw or {}).items():
         w.add_tensor(hf_to_gguf_name(name), data, raw_dtype=raw_type)
     for name, t in tensors.items():

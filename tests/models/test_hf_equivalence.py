@@ -283,3 +283,34 @@ def test_smollm2_gguf_matches_hf():
 def test_qwen25_coder_gguf_matches_hf():
     hub = pytest.importorskip("kvtier.models.hub")
     check_gguf_against_hf(hub.fetch("qwen2.5-coder-0.5b", progress=False))
+
+
+def test_gguf_rope_freqs_matches_hf_llama3(tmp_path):
+    """A Llama 3.1-style GGUF carries rope scaling as a rope_freqs tensor (llama.cpp's convention):
+    loaded from GGUF, logits past the original context equal HF's llama3 rope."""
+    import numpy as np
+
+    from kvtier.layers.rotary import rope_inv_freq
+    from kvtier.models.loading import load_checkpoint
+    from tests.models.gguf_factory import write_gguf
+
+    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 16, "rope_theta": 500000.0}
+    hf = make_hf_model("llama", tied=False, seed=9, rope_parameters=scaling, max_position_embeddings=128)
+    plain = 1.0 / (500000.0 ** (torch.arange(0, 16, 2).float() / 16))
+    # what convert_hf_to_gguf.py stores: the divisor of each frequency, from HF's own rope init
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+    hf_inv, _ = ROPE_INIT_FUNCTIONS["llama3"](hf.config, "cpu")
+    factors = (plain / hf_inv).numpy().astype(np.float32)
+    assert not np.allclose(factors, 1.0)
+    cfg = dict(hidden=64, layers=3, heads=4, kv_heads=2, ffn=96, ctx=128, rope_theta=500000.0, eps=1e-5,
+               head_dim=16)
+    path = tmp_path / "llama31.gguf"
+    from gguf import GGUFWriter  # noqa: F401  (write_gguf uses it)
+    write_gguf(path, "llama", cfg, dict(hf.state_dict()), extra_tensors={"rope_freqs.weight": factors})
+    ckpt = load_checkpoint(path)
+    assert ckpt.spec.rope_scaling["rope_type"] == "freq_factors"
+    assert torch.allclose(rope_inv_freq(16, 500000.0, ckpt.spec.rope_scaling), hf_inv.float(), rtol=1e-6)
+    model = Decoder.from_tensors(ckpt.spec, ckpt.tensors, torch.float32, "cpu")
+    ids = prompt(60, seed=8)
+    assert rel_err(PagedHarness(model).step([(0, ids)])[0], hf_logits(hf, ids)) <= REL_TOL

@@ -13,6 +13,8 @@ File layout (v2/v3, little endian):
 
 from __future__ import annotations
 
+import dataclasses
+
 import mmap
 import os
 import struct
@@ -268,6 +270,10 @@ def dequantize_tensor(data: np.ndarray, t: GGUFTensorInfo, path: Path) -> np.nda
     return out.reshape(t.torch_shape)
 
 
+# Llama 3.1+ GGUFs: rope frequency divisors [head_dim / 2] (read into spec.rope_scaling).
+ROPE_FREQS_TENSOR = "rope_freqs.weight"
+
+
 def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32) -> Checkpoint:
     """Load a GGUF file into HF-named, dequantized tensors of `dtype`."""
     header = read_gguf_header(path)
@@ -286,6 +292,14 @@ def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32) -> Checkpoin
                         optional_shapes(spec))
     data = np.memmap(path, dtype=np.uint8, mode="r")
     permuted = arch_info(spec.arch).gguf_permuted_qk
+    freqs = next((t for t in header.tensors if t.name == ROPE_FREQS_TENSOR), None)
+    if freqs is not None:  # Llama 3.1+: rope scaling as per-frequency divisors
+        factors = np.asarray(dequantize_tensor(data, freqs, path), dtype=np.float32).reshape(-1)
+        if factors.size != spec.head_dim // 2 or not np.all(factors > 0):
+            raise ModelFileError(path, f"{ROPE_FREQS_TENSOR} has {factors.size} entries (or a non-positive "
+                                       f"one); expected {spec.head_dim // 2} positive factors")
+        spec = dataclasses.replace(spec, rope_scaling={"rope_type": "freq_factors",
+                                                       "freq_factors": factors.tolist()})
 
     def one(item: tuple[str, GGUFTensorInfo]) -> torch.Tensor:
         hf, t = item
