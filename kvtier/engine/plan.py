@@ -38,7 +38,8 @@ class MemoryPlan:
     spec: ModelSpec
     weight_bytes: int
     scratch_bytes: int
-    reserve_bytes: int
+    runtime_bytes: int  # CUDA context, cuBLAS workspaces, allocator slack
+    graph_bytes: int  # captured decode graphs' static buffers
     kv_bytes_per_token: float
     kv_format: str
     gpu_limit: int | None
@@ -47,14 +48,28 @@ class MemoryPlan:
     host_kv_bytes: int
     host_available: int
     problems: tuple[str, ...]
+    notes: tuple[str, ...] = ()  # worth knowing, not a reason to refuse
 
     @property
     def fits(self) -> bool:
         return not self.problems
 
     @property
+    def reserve_bytes(self) -> int:
+        return self.runtime_bytes + self.graph_bytes
+
+    @property
+    def gpu_total_bytes(self) -> int:
+        """Everything kvtier allocates on the GPU under this plan."""
+        return self.weight_bytes + self.scratch_bytes + self.reserve_bytes + self.gpu_kv_bytes
+
+    @property
     def gpu_kv_tokens(self) -> int:
         return int(self.gpu_kv_bytes // self.kv_bytes_per_token)
+
+    @property
+    def host_kv_tokens(self) -> int:
+        return int(self.host_kv_bytes // self.kv_bytes_per_token)
 
 
 def parse_size(text: str) -> int:
@@ -99,6 +114,8 @@ def make_plan(spec: ModelSpec, kv_format: str, context: int | None, gpu_limit: i
     scratch = prefill_chunk * spec.hidden_size * ACTIVATION_FACTOR * WEIGHT_BYTES[weight_dtype]
     scratch += prefill_chunk * spec.vocab_size * 4 // 8  # logits of a few rows at most, fp32
     reserve = CUDA_RUNTIME_RESERVE + CUDA_GRAPH_RESERVE
+    if context is not None and context < 1:
+        raise ValueError(f"--context must be >= 1, got {context}")
     context = context or spec.max_position_embeddings
     need_kv = int(context * kvpt)
     problems: list[str] = []
@@ -109,10 +126,11 @@ def make_plan(spec: ModelSpec, kv_format: str, context: int | None, gpu_limit: i
         min_kv = int(MIN_GPU_PAGES * DEFAULT_PAGE_SIZE * kvpt)
         if gpu_kv < min_kv:
             problems.append(
-                f"weights {weights / GIB:.2f} GiB + scratch {scratch / GIB:.2f} GiB + runtime "
-                f"{reserve / GIB:.2f} GiB leave {max(gpu_kv, 0) / GIB:.2f} GiB of the "
-                f"{gpu_limit / GIB:.2f} GiB limit for KV (need >= {min_kv / GIB:.2f} GiB): raise "
-                f"--gpu-memory-limit or use a smaller or more quantized model")
+                f"weights {weights / GIB:.2f} GiB + scratch {scratch / MIB:.0f} MiB + runtime and graphs "
+                f"{reserve / MIB:.0f} MiB leave {max(gpu_kv, 0) / MIB:.0f} MiB of the "
+                f"{gpu_limit / GIB:.2f} GiB limit for KV (need >= {min_kv / MIB:.0f} MiB, "
+                f"{MIN_GPU_PAGES} pages): raise --gpu-memory-limit to at least "
+                f"{math.ceil((weights + scratch + reserve + min_kv) / MIB)} MiB, or use a smaller model")
             gpu_kv = max(gpu_kv, 0)
         gpu_kv = min(gpu_kv, need_kv)
     host_need = max(0, need_kv - gpu_kv)
@@ -126,34 +144,63 @@ def make_plan(spec: ModelSpec, kv_format: str, context: int | None, gpu_limit: i
     if host > avail:
         problems.append(f"the host tier needs {host / GIB:.2f} GiB of pinned RAM but only "
                         f"{avail / GIB:.2f} GiB is free: use a smaller --kv-dtype or context")
-    return MemoryPlan(spec, weights, scratch, reserve, kvpt, kv_format, gpu_limit, context,
-                      int(gpu_kv), int(host), avail, tuple(problems))
+    notes = []
+    if context > spec.max_position_embeddings:
+        notes.append(f"the model was trained for {spec.max_position_embeddings} tokens; quality past that "
+                     f"needs rope scaling")
+    return MemoryPlan(spec, weights, scratch, CUDA_RUNTIME_RESERVE, CUDA_GRAPH_RESERVE, kvpt, kv_format,
+                      gpu_limit, context, int(gpu_kv), int(host), avail, tuple(problems), tuple(notes))
 
 
 def render(plan: MemoryPlan) -> Table:
-    t = Table("item", "size", title=f"memory plan: {plan.spec.arch}, {plan.context} tokens, "
-                                    f"KV {plan.kv_format}")
-    t.add_row("weights (bf16)", f"{plan.weight_bytes / GIB:.2f} GiB")
-    t.add_row("scratch (one prefill chunk)", f"{plan.scratch_bytes / MIB:.0f} MiB")
-    t.add_row("CUDA runtime + graphs", f"{plan.reserve_bytes / MIB:.0f} MiB")
-    t.add_row("KV per token (all layers)", f"{plan.kv_bytes_per_token / 1024:.1f} KiB")
-    t.add_row("GPU KV pool", f"{plan.gpu_kv_bytes / GIB:.2f} GiB ({plan.gpu_kv_tokens} tokens)")
-    t.add_row("host KV tier (pinned)", f"{plan.host_kv_bytes / GIB:.2f} GiB "
-                                       f"(free RAM {plan.host_available / GIB:.1f} GiB)")
+    t = Table("item", "size", "tokens", title=f"memory plan: {plan.spec.name or plan.spec.arch}, "
+                                              f"{plan.context} tokens, KV {plan.kv_format}")
+    t.add_row("weights (bf16)", f"{plan.weight_bytes / GIB:.2f} GiB", "")
+    t.add_row("scratch (one prefill chunk)", f"{plan.scratch_bytes / MIB:.0f} MiB", "")
+    t.add_row("CUDA runtime", f"{plan.runtime_bytes / MIB:.0f} MiB", "")
+    t.add_row("CUDA graphs", f"{plan.graph_bytes / MIB:.0f} MiB", "")
+    t.add_row("GPU KV pool", f"{plan.gpu_kv_bytes / GIB:.2f} GiB", f"{plan.gpu_kv_tokens}")
+    t.add_row("GPU total", f"{plan.gpu_total_bytes / GIB:.2f} GiB", "")
     if plan.gpu_limit is not None:
-        t.add_row("GPU limit", f"{plan.gpu_limit / GIB:.2f} GiB")
+        t.add_row("GPU limit", f"{plan.gpu_limit / GIB:.2f} GiB", "")
+    t.add_row("host KV tier (pinned)", f"{plan.host_kv_bytes / GIB:.2f} GiB "
+                                       f"(free RAM {plan.host_available / GIB:.1f} GiB)", f"{plan.host_kv_tokens}")
+    t.add_row("KV per token (all layers)", f"{plan.kv_bytes_per_token / 1024:.1f} KiB", "")
+    t.add_row("context KV", f"{plan.context * plan.kv_bytes_per_token / GIB:.2f} GiB", f"{plan.context}")
     return t
 
 
-def run_plan(a: argparse.Namespace) -> int:
+def spec_for(model: str) -> ModelSpec:
+    """ModelSpec of a model name/path, or of a random-weight shape (kvtier.bench.shapes)."""
+    from kvtier.bench.shapes import SHAPES
     from kvtier.models.hub import resolve_model
+    from kvtier.models.loading.safetensors import spec_from_config
 
-    spec = read_spec(Path(resolve_model(a.model)))
-    limit = parse_size(a.gpu_memory_limit) if a.gpu_memory_limit else None
-    host = a.host_kv_mib * MIB if a.host_kv_mib else None
-    plan = make_plan(spec, a.kv_dtype, a.context, limit, host)
+    if model in SHAPES:
+        return spec_from_config(dict(SHAPES[model]), Path(f"<shape {model}>"))
+    return read_spec(Path(resolve_model(model)))
+
+
+def plan_for_args(model: str, kv_dtype: str, context: int | None, gpu_memory_limit: str | None,
+                  host_kv_mib: int, prefill_chunk: int = DEFAULT_PREFILL_CHUNK) -> MemoryPlan:
+    """The plan `kvtier plan` prints and `kvtier serve` checks, from CLI values (no weights read)."""
+    limit = parse_size(gpu_memory_limit) if gpu_memory_limit else None
+    host = host_kv_mib * MIB if host_kv_mib else None
+    kv = kv_dtype if kv_dtype != "auto" else "bf16"
+    return make_plan(spec_for(model), kv, context, limit, host, prefill_chunk=prefill_chunk)
+
+
+def refusal(plan: MemoryPlan) -> str:
+    """One message listing what does not fit and what to change."""
+    return "the memory plan does not fit (see `kvtier plan`):\n  - " + "\n  - ".join(plan.problems)
+
+
+def run_plan(a: argparse.Namespace) -> int:
+    plan = plan_for_args(a.model, a.kv_dtype, a.context, a.gpu_memory_limit, a.host_kv_mib)
     console = Console()
     console.print(render(plan))
+    for n in plan.notes:
+        console.print(f"[yellow]note:[/] {n}")
     if plan.fits:
         console.print("[green]fits[/]")
         return 0

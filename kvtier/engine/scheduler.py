@@ -9,9 +9,12 @@ then prefill chunks, within a token budget. A sequence's tokens:
     this step computes tokens[num_computed : num_computed + n];
     if that reaches len(tokens) the step samples the next token.
 
-Pages come from the CacheManager (kv/manager.py); when it cannot supply them,
-the newest running sequence is preempted (its pages freed, recomputed later,
-largely from the prefix cache).
+Pages come from the CacheManager (kv/manager.py), which evicts cached pages
+and, with a host tier, offloads a sequence's own oldest pages to it; when it
+still cannot supply them, the newest running sequence is preempted (its pages
+freed, recomputed later, largely from the prefix cache). A prefill slice that
+does not fit is halved first, so a sequence longer than the GPU pool advances
+in slices the pool can hold.
 """
 
 from __future__ import annotations
@@ -104,7 +107,8 @@ class Scheduler:
             n = 1 if not seq.in_prefill else min(len(seq.tokens) - seq.num_computed, budget)
             if n <= 0 or (seq.in_prefill and budget <= 0):
                 continue
-            if not self._reserve(seq, n, batch):
+            n = self._reserve(seq, n, batch)
+            if n == 0:
                 continue
             if seq.in_prefill:
                 budget -= n
@@ -119,6 +123,8 @@ class Scheduler:
             host_before = self.manager.stats().get("hit_tokens_host", 0)
             cached = self.manager.add_sequence(seq.seq_id, seq.tokens)
             n = min(len(seq.tokens) - cached, budget)
+            while n > 1 and not self.manager.ensure(seq.seq_id, cached + n):
+                n //= 2  # a first slice the pool can hold
             if not self.manager.ensure(seq.seq_id, cached + n):
                 self.manager.free(seq.seq_id)
                 break  # no room now; retry next step (FIFO: no overtaking)
@@ -134,16 +140,19 @@ class Scheduler:
             batch.seqs.append(self._slice(seq, n))
         return budget
 
-    def _reserve(self, seq: Sequence, n: int, batch: Batch) -> bool:
-        """Make pages for n more tokens of seq, preempting newer sequences (not yet
-        in this step's batch) if needed."""
+    def _reserve(self, seq: Sequence, n: int, batch: Batch) -> int:
+        """Make pages for up to n more tokens of seq: halve n while it does not fit, then
+        preempt newer sequences (not yet in this step's batch). Returns the tokens granted (0: none)."""
         while not self.manager.ensure(seq.seq_id, seq.num_computed + n):
+            if n > 1:  # a smaller slice before throwing away another sequence's work
+                n //= 2
+                continue
             busy = {id(s.seq) for s in batch.seqs} | {id(seq)}
             victim = self._newest_running(exclude=busy)
             if victim is None:
-                return False
+                return 0
             self._preempt(victim)
-        return True
+        return n
 
     def _newest_running(self, exclude: set[int]) -> Sequence | None:
         for s in reversed(self.running):

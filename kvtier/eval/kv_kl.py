@@ -7,8 +7,9 @@ positions, its 99th percentile and the top-1 agreement with the reference.
 
     python -m kvtier.eval.kv_kl --model path.gguf --tokens 2048 [--text-file f.txt]
 
-Without --text-file the text is this package's own source and docs (always
-present, real English and code, deterministic).
+Without --text-file the text is English prose from the Python Language
+Reference that ships with every CPython (`pydoc_data.topics`, code and
+grammar blocks dropped): natural text, always present, deterministic.
 """
 
 from __future__ import annotations
@@ -42,10 +43,21 @@ class KLResult:
 
 
 def default_text() -> str:
-    """This package's own source and docs, in a fixed order."""
-    root = Path(__file__).resolve().parents[1]
-    files = sorted(root.rglob("*.py")) + sorted(root.parent.glob("docs/*.md"))
-    return "\n\n".join(p.read_text(errors="replace") for p in files)
+    """Prose paragraphs of the Python Language Reference (stdlib `pydoc_data.topics`), fixed order.
+
+    Indented blocks (code, grammar) and heading underlines are dropped, so what
+    remains is running English text.
+    """
+    from pydoc_data.topics import topics
+
+    paras: list[str] = []
+    for name in sorted(topics):
+        for para in topics[name].split("\n\n"):
+            lines = para.strip("\n").splitlines()
+            if not lines or any(ln[:1].isspace() or set(ln) <= set("*=-") for ln in lines):
+                continue
+            paras.append(" ".join(ln.strip() for ln in lines))
+    return "\n\n".join(paras)
 
 
 def _meta(start: int, n: int, page_size: int, device: torch.device) -> AttentionMetadata:

@@ -10,13 +10,25 @@ Every GPU page is in exactly one state:
     cached  refcount 0 but indexed (a full page of a finished prefix), in the
             LRU; evictable: dropped, or copied down to the host tier first
 
-Every host page is free, cached (holds an indexed node's KV, in the host LRU)
-or pinned (the source of a queued host->GPU copy, until `take_transfers`).
+Every host page is free, cached (holds an indexed node's KV, in the host LRU),
+pinned (the source of a queued host->GPU copy, until `take_transfers`) or held
+(an offloaded page of a running sequence, see below).
 
 A sequence's page table, with prefix hits at the front:
 
     | hit (gpu) | hit (host->gpu) | computed here ...        | partial |
     0           matched pages     committed full pages       num_tokens
+
+A sequence longer than the GPU pool: when `ensure` finds no GPU page, the
+sequence's own oldest computed full pages are offloaded to held host pages
+(a queued GPU->host copy; the GPU page is released). The page table then
+starts with host references, which attention streams through the GPU:
+
+    | host_ref(h0) host_ref(h1) ... | gpu pages ...              | partial |
+    0      offloaded (held)         len(host_pages)              num_tokens
+
+`host_ref(h) = -1 - h`: negative entries name host pages, so one list of
+ints keeps naming every page of the sequence in token order.
 
 Ordering contract for the runner: run `gpu_to_host` copies first, then
 `host_to_gpu`, then the forward. A GPU page is returned to the free list as
@@ -29,6 +41,16 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from kvtier.kv.prefix import PrefixIndex, PrefixNode
+
+
+def host_ref(host_page: int) -> int:
+    """Page-table entry naming host page `host_page` (entries >= 0 are GPU pages)."""
+    return -1 - host_page
+
+
+def host_page_of(ref: int) -> int:
+    """Inverse of host_ref: the host page id of a negative page-table entry."""
+    return -1 - ref
 
 
 @dataclass
@@ -44,17 +66,23 @@ class Transfers:
 
 @dataclass
 class _Seq:
-    pages: list[int]  # GPU page ids in order
+    pages: list[int]  # GPU page ids in order, after the offloaded head
     chain: list[PrefixNode]  # prefix nodes of this seq's first full pages, in order
     namespace: str
     indexing: bool = True  # False once the chain broke (parent evicted): stop indexing
+    host_pages: list[int] = field(default_factory=list)  # offloaded head, held host pages
+    committed: int = 0  # tokens whose KV is computed (last commit)
+
+    @property
+    def num_pages(self) -> int:
+        return len(self.host_pages) + len(self.pages)
 
 
 class CacheManager:
     """Page tables, refcounts, prefix hits and two-tier eviction for all sequences."""
 
     def __init__(self, num_gpu_pages: int, page_size: int, num_host_pages: int = 0,
-                 enable_prefix: bool = True, namespace: str = ""):
+                 enable_prefix: bool = True, namespace: str = "", offload: bool = True):
         if num_gpu_pages < 1:
             raise ValueError(f"num_gpu_pages must be >= 1, got {num_gpu_pages}")
         if page_size < 1:
@@ -66,6 +94,7 @@ class CacheManager:
         self.page_size = page_size
         self.enable_prefix = enable_prefix
         self.namespace = namespace
+        self.offload = offload and num_host_pages > 0  # long sequences spill their own pages
         self.index = PrefixIndex(page_size)
         self._seqs: dict[str, _Seq] = {}
         # GPU tier
@@ -79,10 +108,12 @@ class CacheManager:
         self._host_lru: OrderedDict[int, None] = OrderedDict()
         self._host_pinned: set[int] = set()
         self._host_release: set[int] = set()  # pinned pages whose node died: free at take_transfers
+        self._host_held: set[int] = set()  # offloaded pages of running sequences
         self._xfer = Transfers()
         self._stats = dict.fromkeys(
-            ("lookups", "hits", "misses", "hit_tokens_gpu", "hit_tokens_host", "evictions_gpu",
-             "evictions_host", "dropped_pages", "swaps_in", "swaps_out"), 0)
+            ("lookups", "hits", "misses", "prompt_tokens", "hit_tokens_gpu", "hit_tokens_host",
+             "computed_tokens", "evictions_gpu", "evictions_host", "dropped_pages", "swaps_in",
+             "swaps_out", "offloads"), 0)
 
     # ---------------------------------------------------------------- queries
     def num_free_gpu_pages(self) -> int:
@@ -99,8 +130,9 @@ class CacheManager:
         return seq_id in self._seqs
 
     def page_table(self, seq_id: str) -> list[int]:
-        """GPU page ids of the sequence, in token order."""
-        return list(self._seq(seq_id).pages)
+        """Page ids of the sequence in token order: host_ref(h) for offloaded pages, then GPU ids."""
+        seq = self._seq(seq_id)
+        return [host_ref(h) for h in seq.host_pages] + seq.pages
 
     def num_pages_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.page_size)
@@ -127,6 +159,7 @@ class CacheManager:
         if not self.enable_prefix:
             return 0
         self._stats["lookups"] += 1
+        self._stats["prompt_tokens"] += len(prompt)
         chain = self.index.match(prompt, ns, self._max_hit_pages(prompt))
         # Take every GPU-resident hit and pin every host-only one first, so that
         # allocating pages for the swap-ins cannot evict the rest of the chain.
@@ -153,6 +186,7 @@ class CacheManager:
         self._stats["hit_tokens_gpu"] += (n_ok - n_swapped) * self.page_size
         seq.chain = chain
         seq.pages = [n.gpu_page for n in chain]  # type: ignore[misc]
+        seq.committed = len(chain) * self.page_size
         for node in reversed(chain):  # parents most recent: leaves are evicted first
             if node.host_page is not None and node.host_page in self._host_lru:
                 self._host_lru.move_to_end(node.host_page)
@@ -160,12 +194,16 @@ class CacheManager:
         return len(chain) * self.page_size
 
     def ensure(self, seq_id: str, num_tokens: int) -> bool:
-        """Grow the page table to cover `num_tokens`; False (no change) if impossible."""
+        """Grow the page table to cover `num_tokens`; False (no change) if impossible.
+
+        Takes free pages, then evicts cached ones, then (with a host tier)
+        offloads this sequence's own oldest computed pages to the host.
+        """
         seq = self._seq(seq_id)
-        need = self.num_pages_for(num_tokens) - len(seq.pages)
+        need = self.num_pages_for(num_tokens) - seq.num_pages
         if need <= 0:
             return True
-        if not self.can_allocate(need):
+        if not self.can_allocate(need) and not self._offload(seq, need):
             return False
         for _ in range(need):
             page = self._alloc_gpu()
@@ -178,12 +216,14 @@ class CacheManager:
         """KV of `token_ids` (all tokens so far) is computed: index newly full pages."""
         seq = self._seq(seq_id)
         ps = self.page_size
-        if self.num_pages_for(len(token_ids)) > len(seq.pages):
+        if self.num_pages_for(len(token_ids)) > seq.num_pages:
             raise ValueError(f"commit of {len(token_ids)} tokens but sequence {seq_id!r} "
-                             f"has only {len(seq.pages)} pages of {ps}")
+                             f"has only {seq.num_pages} pages of {ps}")
         if len(token_ids) < len(seq.chain) * ps:
             raise ValueError(f"commit of {len(token_ids)} tokens is shorter than the "
                              f"{len(seq.chain) * ps} already indexed for {seq_id!r}")
+        self._stats["computed_tokens"] += max(0, len(token_ids) - seq.committed)
+        seq.committed = max(seq.committed, len(token_ids))
         while seq.indexing and len(seq.chain) < len(token_ids) // ps:
             i = len(seq.chain)
             parent = seq.chain[-1] if seq.chain else None
@@ -191,7 +231,9 @@ class CacheManager:
                 seq.indexing = False  # a shared ancestor was dropped: the chain is gone
                 break
             tokens = token_ids[i * ps:(i + 1) * ps]
-            page = seq.pages[i]
+            if i < len(seq.host_pages):  # offloaded before it was indexed: cannot happen, stay loud
+                raise RuntimeError(f"page {i} of {seq_id!r} was offloaded before it was indexed")
+            page = seq.pages[i - len(seq.host_pages)]
             node = self.index.find(parent, tokens, seq.namespace)
             if node is None:
                 node = self.index.insert(parent, tokens, seq.namespace)
@@ -208,6 +250,9 @@ class CacheManager:
             raise ValueError(f"unknown sequence {seq_id!r}")
         for page in reversed(seq.pages):  # leaves enter the LRU first (evicted first)
             self._decref(page)
+        for host in seq.host_pages:
+            self._host_held.discard(host)
+            self._host_free.append(host)
 
     def take_transfers(self) -> Transfers:
         """Queued copies since the last call; host pages pinned for them are released.
@@ -234,7 +279,7 @@ class CacheManager:
             "gpu_pages_cached": len(self._gpu_lru),
             "gpu_pages_free": len(self._gpu_free),
             "host_pages_total": self.num_host_pages,
-            "host_pages_used": len(self._host_pinned),
+            "host_pages_used": len(self._host_pinned) + len(self._host_held),
             "host_pages_cached": len(self._host_lru),
             "host_pages_free": len(self._host_free),
             "prefix_nodes": len(self.index),
@@ -280,13 +325,21 @@ class CacheManager:
     def _host_errors(self) -> list[str]:
         err: list[str] = []
         free, cached, pinned = set(self._host_free), set(self._host_lru), self._host_pinned
+        held = self._host_held
         if len(free) != len(self._host_free):
             err.append("host free list has duplicates")
-        if free & cached or free & pinned or cached & pinned:
+        states = (free, cached, pinned, held)
+        if sum(len(a) for a in states) != len(set().union(*states)):
             err.append("host pages in two states")
-        if len(free) + len(cached) + len(pinned) != self.num_host_pages:
-            err.append(f"host free {len(free)} + cached {len(cached)} + pinned {len(pinned)} "
-                       f"!= total {self.num_host_pages}")
+        if len(free) + len(cached) + len(pinned) + len(held) != self.num_host_pages:
+            err.append(f"host free {len(free)} + cached {len(cached)} + pinned {len(pinned)} + held "
+                       f"{len(held)} != total {self.num_host_pages}")
+        seq_held = [h for seq in self._seqs.values() for h in seq.host_pages]
+        if len(seq_held) != len(set(seq_held)) or set(seq_held) != held:
+            err.append("held host pages disagree with the sequences' offloaded pages")
+        for h in held:
+            if self._host_node[h] is not None:
+                err.append(f"held host page {h} is indexed")
         if not self._host_release <= pinned:
             err.append("host pages awaiting release are not pinned")
         for h in cached | (pinned - self._host_release):
@@ -393,6 +446,40 @@ class CacheManager:
         self._xfer.host_to_gpu.append((host, gpu))
         self._stats["swaps_in"] += 1
         self._stats["hit_tokens_host"] += self.page_size
+
+    def _offload(self, seq: _Seq, need: int) -> bool:
+        """Offload `seq`'s oldest computed GPU pages to held host pages until `need` GPU
+        pages can be allocated. False (no change) if that cannot be done.
+
+        Offloading keeps the page table's order (host head, GPU tail), so pages go
+        oldest first; the page being computed stays on the GPU. A page shared with
+        another sequence moves too (this sequence gets a private host copy) but
+        frees nothing. A released GPU page that is indexed stays cached (still a
+        prefix-cache entry); otherwise it is freed.
+        """
+        if not self.offload:
+            return False
+        done = max(0, seq.committed // self.page_size - len(seq.host_pages))  # computed full GPU pages
+        short = need - len(self._gpu_free) - len(self._gpu_lru)
+        n_move, gained = 0, 0
+        for page in seq.pages[:done]:
+            if gained >= short:
+                break
+            n_move += 1
+            gained += self._refcount[page] == 1
+        if gained < short or n_move > len(self._host_free) + len(self._host_lru):
+            return False
+        for _ in range(n_move):
+            page = seq.pages.pop(0)
+            host = self._alloc_host()
+            if host is None:  # cannot happen after the room check; keep the invariant loud
+                raise RuntimeError("host page allocation failed after the room check")
+            self._xfer.gpu_to_host.append((page, host))
+            self._host_held.add(host)
+            seq.host_pages.append(host)
+            self._decref(page)
+            self._stats["offloads"] += 1
+        return self.can_allocate(need)
 
     # --------------------------------------------------------------- host tier
     def _alloc_host(self) -> int | None:

@@ -40,15 +40,47 @@ class PagePool:
         flat = fmt.allocate(num_pages * num_layers, kv_heads, page_size, head_dim, self.device, pin)
         self.storage = {name: t.view(num_layers, num_pages, *t.shape[1:]) for name, t in flat.items()}
         self.layers = [{name: t[i] for name, t in self.storage.items()} for i in range(num_layers)]
+        # K smoothing (formats with smooth_k): per layer, the [kv_heads, head_dim] vector
+        # subtracted from every K row written here, fixed at the layer's first write.
+        self.k_shift: list[torch.Tensor | None] = [None] * num_layers
         self._copy_stream: torch.cuda.Stream | None = None
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """slots: [T] int64 (page * page_size + offset); k, v: [T, kv_heads, head_dim]."""
+        """slots: [T] int64 (page * page_size + offset); k, v: [T, kv_heads, head_dim].
+
+        With a smoothing format, K is stored minus `k_shift[layer]`, set to the
+        per-channel median of the layer's first write and never changed after:
+        every page of this pool (and every page copied from it) shares it, so
+        attention over them is exact (softmax is shift-invariant per query).
+        """
+        if self.fmt.smooth_k and k.shape[0] > 0:
+            kf = k.to(torch.promote_types(k.dtype, torch.float32))
+            if self.k_shift[layer] is None:
+                self.k_shift[layer] = kf.median(dim=0).values.to(self.compute_dtype)
+            k = kf - self.k_shift[layer].to(kf.dtype)
         self.fmt.store(self.layers[layer], slots, k, v)
 
     def read(self, layer: int, page_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """page_ids: [P] -> k, v: [P, kv_heads, page_size, head_dim] in compute_dtype."""
+        """page_ids: [P] -> k, v: [P, kv_heads, page_size, head_dim] in compute_dtype.
+
+        K comes back minus `k_shift[layer]` of the pool that wrote it (smoothing formats).
+        """
         return self.fmt.load(self.layers[layer], page_ids, self.compute_dtype)
+
+    def stream_read(self, layer: int, page_ids: torch.Tensor,
+                    device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
+        """Gather pages' stored codes, move them to `device`, decode there.
+
+        page_ids: [P] (on this pool's device) -> k, v: [P, kv_heads, page_size, head_dim]
+        in compute_dtype on `device`: how attention streams host-tier pages
+        through the GPU (quantized bytes cross the bus, not decoded values).
+        """
+        device = torch.device(device)
+        idx = page_ids.to(self.device)
+        staged = {name: t.index_select(0, idx).to(device, non_blocking=True)
+                  for name, t in self.layers[layer].items()}
+        local = torch.arange(idx.numel(), device=device)
+        return self.fmt.load(staged, local, self.compute_dtype)
 
     def bytes_per_page(self) -> int:
         """Bytes one page takes across all layers (K, V and scales)."""

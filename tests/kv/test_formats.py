@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvtier.kv.formats import FORMAT_NAMES, INT4_GROUP, INT4_MAX, INT8_MAX, make_format
+from kvtier.kv.formats import (FORMAT_NAMES, INT4_GROUP, INT4_MAX, INT8_MAX, Int4Codec, KVFormat, PlainCodec,
+                               hadamard, make_format)
 from kvtier.kv.manager import CacheManager
 from kvtier.kv.pool import PagePool
 
@@ -44,6 +45,9 @@ def test_round_trip_error_and_layout(name: str) -> None:
     slots, k, v = write_random(pool, 1, 20, seed=1, scale=3.0)
     kp, vp = pool.read(1, torch.arange(8))
     assert kp.shape == (8, H, S, D) and kp.dtype == torch.float32
+    if fmt.smooth_k:  # K comes back minus the layer's shift, the median of the first write
+        assert torch.equal(pool.k_shift[1], k.median(dim=0).values) and pool.k_shift[0] is None
+        k = k - pool.k_shift[1]
     for x, y in ((k, rows_of(kp, slots)), (v, rows_of(vp, slots))):
         rel = ((x - y).norm() / x.norm()).item()
         assert rel <= REL_ERR[name] + 1e-7, f"{name}: relative error {rel}"
@@ -59,11 +63,10 @@ def test_error_bounds_per_element() -> None:
     x = torch.randn(50, H, D, generator=g) * torch.logspace(-3, 2, 50)[:, None, None]
     slots = torch.arange(50)
     for name in ("int8", "int4", "fp8"):
-        fmt = make_format(name)
-        st = fmt.allocate(13, H, S, D, torch.device("cpu"))
-        fmt.store(st, slots, x, x)
-        y = rows_of(fmt.load(st, torch.arange(13), torch.float32)[0], slots)
-        scale = rows_of(st["k_scale"].float(), slots)  # [T, H, n_scales]
+        codec = make_format(name).k_codec
+        parts = codec.encode(x)
+        y = codec.decode(parts, torch.float32)
+        scale = parts["_scale"].float()  # [T, H, n_scales]
         if name == "int4":
             step = scale.repeat_interleave(INT4_GROUP, dim=-1)
             assert (x.abs() <= step * INT4_MAX * 1.001).all()
@@ -73,6 +76,50 @@ def test_error_bounds_per_element() -> None:
             assert ((x - y).abs() <= 0.5 * scale * 1.0001 + 1e-9).all()
         else:  # e4m3: 3 mantissa bits -> half-ulp 2^-4 relative; subnormal step 2^-9 * scale
             assert ((x - y).abs() <= x.abs() / 16 + scale * 2.0 ** -9).all()
+
+
+def test_hadamard_is_orthonormal_and_its_own_inverse() -> None:
+    for d in (16, 64, 80, 128):
+        h = hadamard(d)
+        assert torch.allclose(h @ h, torch.eye(d), atol=1e-6) and torch.equal(h, h.T)
+
+
+def test_rotation_round_trip_and_outlier_gain() -> None:
+    """A rotated format returns the rows themselves (not rotated ones), with less error on
+    rows that have outlier channels than the same codecs unrotated."""
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(40, H, D, generator=g)
+    x[..., 3] += 40.0  # one outlier channel, as real K has
+    slots = torch.arange(40)
+    errs = {}
+    for rot in (False, True):
+        fmt = KVFormat(Int4Codec(), Int4Codec(), rotate_k=rot, rotate_v=rot)
+        st = fmt.allocate(10, H, S, D, torch.device("cpu"))
+        fmt.store(st, slots, x, x)
+        y = rows_of(fmt.load(st, torch.arange(10), torch.float32)[0], slots)
+        errs[rot] = ((y - x).norm() / x.norm()).item()
+    assert errs[True] < 0.5 * errs[False] and errs[True] < 0.07
+
+
+def test_k_smoothing_leaves_attention_unchanged() -> None:
+    """Attention over shifted K (smooth_k) equals attention over K: softmax is shift-invariant."""
+    from kvtier.layers.attention import AttentionMetadata, DensePagedAttention
+
+    g = torch.Generator().manual_seed(6)
+    n, hq = 10, 4
+    q = torch.randn(n, hq, D, generator=g, dtype=torch.float64)
+    k = torch.randn(n, H, D, generator=g, dtype=torch.float64) + 30 * torch.randn(H, D, generator=g,
+                                                                                 dtype=torch.float64)
+    v = torch.randn(n, H, D, generator=g, dtype=torch.float64)
+    meta = AttentionMetadata(query_start_loc=[0, n], seq_lens=[n], page_tables=[[0, 1, 2]],
+                             slot_mapping=torch.arange(n), logits_indices=torch.arange(n))
+    outs = []
+    for smooth in (False, True):
+        fmt = KVFormat(PlainCodec(torch.float64), PlainCodec(torch.float64), smooth_k=smooth)
+        pool = PagePool(fmt, 1, 3, H, S, D, "cpu", compute_dtype=torch.float64)
+        outs.append(DensePagedAttention(pool, scale=D ** -0.5).forward(0, q, k, v, meta))
+        assert (pool.k_shift[0] is not None) == smooth
+    assert torch.allclose(outs[0], outs[1], atol=1e-9, rtol=0)
 
 
 def test_zero_rows_and_bf16_inputs() -> None:

@@ -17,7 +17,7 @@ from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, p
                                  run_state_machine_as_test)
 
 import kvtier.kv.prefix as prefix_mod
-from kvtier.kv.manager import CacheManager, Transfers
+from kvtier.kv.manager import CacheManager, Transfers, host_page_of
 from kvtier.kv.prefix import PrefixIndex
 
 PS = 4  # page size used by the unit tests
@@ -233,40 +233,50 @@ def test_swap_in_chain_is_pinned_against_host_eviction() -> None:
 
 
 BASES = [(0, 1, 0, 1, 1, 1, 0, 0, 1, 0), (0, 1, 1, 0, 2, 2), (1,) * 10]  # shared conversation starts
+NAMESPACES = ("t", "u")  # two models/formats: their pages must never serve each other
 
 
 class ManagerMachine(RuleBasedStateMachine):
-    """Random add/compute/free against a simulated runner and pools."""
+    """Random add/compute/free against a simulated runner and pools.
+
+    The fake pools hold, per page, (namespace, token prefix) of the KV it
+    stores. After every executed transfer batch, every page of every live
+    sequence and every indexed node must hold exactly its own prefix: a page
+    lost, overwritten, evicted from under a running sequence, or shared
+    between different prefixes cannot go unnoticed.
+    """
 
     def __init__(self) -> None:
         super().__init__()
         self.m: CacheManager | None = None
         self.ctr = 0
 
-    @initialize(gpu=st.integers(2, 10), host=st.sampled_from([0, 3, 8]), ps=st.sampled_from([1, 2, 4]))
+    @initialize(gpu=st.integers(2, 10), host=st.sampled_from([0, 3, 8, 24]), ps=st.sampled_from([1, 2, 4]))
     def init(self, gpu: int, host: int, ps: int) -> None:
         self.m = CacheManager(gpu, ps, host, namespace="t")
-        self.gpu: dict[int, tuple[int, ...]] = {}  # page -> token prefix whose KV it holds
-        self.host: dict[int, tuple[int, ...]] = {}
+        self.gpu: dict[int, tuple] = {}  # page -> (namespace, token prefix) whose KV it holds
+        self.host: dict[int, tuple] = {}
         self.live: dict[str, dict] = {}
-        self.checks: list[tuple[str, int]] = []  # (seq, cached tokens) hits to verify
 
     def _pick(self, i: int) -> str:
         return sorted(self.live)[i % len(self.live)]
 
+    def _held(self, ref: int) -> tuple | None:
+        return self.gpu.get(ref) if ref >= 0 else self.host.get(host_page_of(ref))
+
     @rule(base=st.sampled_from(BASES), cut=st.integers(0, 10), tail=st.lists(st.integers(0, 2), max_size=4),
-          gen=st.integers(1, 4))
-    def add(self, base: tuple[int, ...], cut: int, tail: list[int], gen: int) -> None:
+          gen=st.integers(1, 8), ns=st.sampled_from(NAMESPACES))
+    def add(self, base: tuple[int, ...], cut: int, tail: list[int], gen: int, ns: str) -> None:
         sid = f"s{self.ctr}"
         self.ctr += 1
         prompt = (list(base[:cut]) + tail) or [2]
         tokens = prompt + [3] * gen  # prompt + the tokens it will "generate"
-        cached = self.m.add_sequence(sid, prompt)
+        cached = self.m.add_sequence(sid, prompt, namespace=ns)
         ps = self.m.page_size
         assert cached % ps == 0 and cached < len(prompt)
         assert len(self.m.page_table(sid)) == cached // ps
-        self.live[sid] = {"tokens": tokens, "computed": cached}
-        self.checks.append((sid, cached))
+        self.live[sid] = {"tokens": tokens, "computed": cached, "ns": ns}
+        self._run_transfers()  # the hit's pages must hold exactly this prefix
 
     def _run_transfers(self) -> None:
         x = self.m.take_transfers()
@@ -274,14 +284,28 @@ class ManagerMachine(RuleBasedStateMachine):
             self.host[h] = self.gpu[g]
         for h, g in x.host_to_gpu:
             self.gpu[g] = self.host[h]
+        self._check_contents()
+
+    def _check_contents(self) -> None:
         ps = self.m.page_size
-        for sid, cached in self.checks:
-            if sid in self.live:
-                table = self.m.page_table(sid)
-                toks = self.live[sid]["tokens"]
-                for i in range(cached // ps):
-                    assert self.gpu.get(table[i]) == tuple(toks[:(i + 1) * ps]), "hit on wrong KV"
-        self.checks = []
+        owner: dict[int, tuple] = {}
+        for sid, s in self.live.items():
+            table = self.m.page_table(sid)
+            for i in range(-(-s["computed"] // ps)):
+                want = (s["ns"], tuple(s["tokens"][:min((i + 1) * ps, s["computed"])]))
+                assert self._held(table[i]) == want, f"{sid} page {i} holds wrong KV"
+                if table[i] >= 0:  # a GPU page serves one prefix only, whoever holds it
+                    assert owner.setdefault(table[i], want) == want, "page shared by different prefixes"
+        for node in self.m.index.nodes():
+            toks, n = [], node
+            while n is not None:
+                toks[:0] = n.tokens
+                n = n.parent
+            want = (node.namespace, tuple(toks))
+            if node.gpu_page is not None:
+                assert self.gpu.get(node.gpu_page) == want, "indexed GPU page holds wrong KV"
+            if node.host_page is not None and node.host_page not in self.m._host_release:
+                assert self.host.get(node.host_page) == want, "indexed host page holds wrong KV"
 
     def _compute(self, sid: str, n: int) -> bool:
         s = self.live[sid]
@@ -293,8 +317,9 @@ class ManagerMachine(RuleBasedStateMachine):
         self._run_transfers()
         ps, table = self.m.page_size, self.m.page_table(sid)
         for i in range(lo // ps, (hi - 1) // ps + 1):  # "forward" writes the pages it touches
+            assert table[i] >= 0, "forward writes into an offloaded page"
             assert self.m._gpu_node[table[i]] is None, "forward writes into an indexed page"
-            self.gpu[table[i]] = tuple(s["tokens"][:min((i + 1) * ps, hi)])
+            self.gpu[table[i]] = (s["ns"], tuple(s["tokens"][:min((i + 1) * ps, hi)]))
         s["computed"] = hi
         self.m.commit(sid, s["tokens"][:hi])
         return True
@@ -330,6 +355,8 @@ class ManagerMachine(RuleBasedStateMachine):
             self.m.check_integrity()
             s = self.m.stats()
             assert s["gpu_pages_used"] + s["gpu_pages_cached"] + s["gpu_pages_free"] == s["gpu_pages_total"]
+            assert s["host_pages_used"] + s["host_pages_cached"] + s["host_pages_free"] == s["host_pages_total"]
+            assert s["prompt_tokens"] >= s["hit_tokens_gpu"] + s["hit_tokens_host"]
 
 
 MACHINE_SETTINGS = settings(max_examples=150, stateful_step_count=40, deadline=None)
