@@ -19,11 +19,13 @@ Two exact transforms make the quantized formats accurate on real models
   (R @ R = I). It spreads a row's outlier channels over all channels, so a
   per-row or per-group integer scale wastes fewer levels.
 - K smoothing (`smooth_k`, applied by the pool that writes the pages): K is
-  stored minus a per-(layer, kv head) constant vector c. Attention is
-  invariant to it (q.(k - c) = q.k - q.c shifts every score of a query
-  row by the same amount), so c is never added back. Models such as Qwen2
-  have K channels with means ~100x their spread; removing c shrinks the
-  range the codes must cover by that much.
+  stored as (k - c) / s with per-(layer, kv head) channel vectors c (shift)
+  and s (spread), fixed at the layer's first write. s is multiplied back on
+  read; c is not: attention is invariant to it (q.(k - c) = q.k - q.c
+  shifts every score of a query row by the same amount). Models such as
+  Qwen2 have K channels with means ~100x their spread; removing c and
+  equalising the channels before rotating shrinks the range the codes must
+  cover by that much.
 """
 
 from __future__ import annotations
@@ -290,17 +292,17 @@ class PlainFormat(KVFormat):
 
 
 class Fp8Format(KVFormat):
-    """K and V in float8 e4m3, per-(token, head) scale, K smoothed: ~2x smaller than bf16.
+    """K and V in float8 e4m3, per-(token, head) scale, smoothed and rotated: ~2x smaller.
 
-    Not rotated: e4m3's error is relative to each value, so mixing an outlier
-    channel into all channels (rotation) makes every channel's error large
-    (measured: Qwen2.5 KL 2.6e-3 -> 1.1e-2).
+    Smoothing must come first: e4m3's error is relative to each value, so
+    rotating an unsmoothed outlier channel into all channels makes every
+    channel's error large (measured: Qwen2.5 KL 2.6e-3 -> 1.1e-2).
     """
 
     name = "fp8"
 
     def __init__(self) -> None:
-        super().__init__(Fp8Codec(), Fp8Codec(), smooth_k=True)
+        super().__init__(Fp8Codec(), Fp8Codec(), rotate_k=True, rotate_v=True, smooth_k=True)
 
 
 class Int8Format(KVFormat):

@@ -16,6 +16,11 @@ import torch
 
 from kvtier.kv.formats import KVFormat
 
+# K smoothing: a channel's scale is at least this fraction of its head's median spread.
+SPREAD_FLOOR = 0.1
+# ... and at least this (fp16-safe; all-equal first rows give a uniform scale).
+MIN_CHANNEL_SCALE = 1e-2
+
 
 class PagePool:
     """K/V page storage of all layers on one device (GPU, or pinned host memory)."""
@@ -40,47 +45,70 @@ class PagePool:
         flat = fmt.allocate(num_pages * num_layers, kv_heads, page_size, head_dim, self.device, pin)
         self.storage = {name: t.view(num_layers, num_pages, *t.shape[1:]) for name, t in flat.items()}
         self.layers = [{name: t[i] for name, t in self.storage.items()} for i in range(num_layers)]
-        # K smoothing (formats with smooth_k): per layer, the [kv_heads, head_dim] vector
-        # subtracted from every K row written here, fixed at the layer's first write.
+        # K smoothing (formats with smooth_k), per layer, fixed at the layer's first write:
+        # K is stored as (k - k_shift) / k_channel_scale, both [kv_heads, head_dim].
         self.k_shift: list[torch.Tensor | None] = [None] * num_layers
+        self.k_channel_scale: list[torch.Tensor | None] = [None] * num_layers
         self._copy_stream: torch.cuda.Stream | None = None
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """slots: [T] int64 (page * page_size + offset); k, v: [T, kv_heads, head_dim].
 
-        With a smoothing format, K is stored minus `k_shift[layer]`, set to the
-        per-channel median of the layer's first write and never changed after:
-        every page of this pool (and every page copied from it) shares it, so
+        With a smoothing format, K is stored as (k - shift) / channel_scale: shift
+        is the per-channel median of the layer's first write, channel_scale the
+        per-channel spread around it (floored, see `_calibrate`); both are fixed
+        from then on. `read` multiplies the scale back but not the shift: every
+        page of this pool (and every page copied from it) shares the shift, and
         attention over them is exact (softmax is shift-invariant per query).
         """
         if self.fmt.smooth_k and k.shape[0] > 0:
             kf = k.to(torch.promote_types(k.dtype, torch.float32))
             if self.k_shift[layer] is None:
-                self.k_shift[layer] = kf.median(dim=0).values.to(self.compute_dtype)
-            k = kf - self.k_shift[layer].to(kf.dtype)
+                self._calibrate(layer, kf)
+            k = (kf - self.k_shift[layer].to(kf.dtype)) / self.k_channel_scale[layer].to(kf.dtype)
         self.fmt.store(self.layers[layer], slots, k, v)
+
+    def _calibrate(self, layer: int, k: torch.Tensor) -> None:
+        """K smoothing constants of one layer from its first K rows k: [T, H, D].
+
+        The scale is floored at a tenth of the head's median spread (a few rows
+        give noisy spreads; the floor bounds how much any channel is amplified)
+        and at MIN_CHANNEL_SCALE (all-equal rows: a uniform, harmless scale).
+        """
+        shift = k.median(dim=0).values  # [H, D]
+        spread = (k - shift).std(dim=0, unbiased=False)  # [H, D]
+        floor = (spread.median(dim=-1, keepdim=True).values * SPREAD_FLOOR).clamp_min(MIN_CHANNEL_SCALE)
+        self.k_shift[layer] = shift.to(self.compute_dtype)
+        self.k_channel_scale[layer] = torch.maximum(spread, floor).to(self.compute_dtype)
 
     def read(self, layer: int, page_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """page_ids: [P] -> k, v: [P, kv_heads, page_size, head_dim] in compute_dtype.
 
-        K comes back minus `k_shift[layer]` of the pool that wrote it (smoothing formats).
+        K comes back minus `k_shift[layer]` (smoothing formats).
         """
-        return self.fmt.load(self.layers[layer], page_ids, self.compute_dtype)
+        return self._decode(layer, self.layers[layer], page_ids)
 
-    def stream_read(self, layer: int, page_ids: torch.Tensor,
-                    device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
-        """Gather pages' stored codes, move them to `device`, decode there.
+    def read_from(self, src: PagePool, layer: int, page_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Pages of `src` (a lower tier holding copies of this pool's pages), decoded here.
 
-        page_ids: [P] (on this pool's device) -> k, v: [P, kv_heads, page_size, head_dim]
-        in compute_dtype on `device`: how attention streams host-tier pages
-        through the GPU (quantized bytes cross the bus, not decoded values).
+        page_ids: [P] page ids of `src` -> k, v: [P, kv_heads, page_size, head_dim] on this
+        pool's device: the stored codes are gathered, moved (quantized bytes cross the bus,
+        not decoded values) and decoded with this pool's K smoothing, which wrote them.
         """
-        device = torch.device(device)
-        idx = page_ids.to(self.device)
-        staged = {name: t.index_select(0, idx).to(device, non_blocking=True)
-                  for name, t in self.layers[layer].items()}
-        local = torch.arange(idx.numel(), device=device)
-        return self.fmt.load(staged, local, self.compute_dtype)
+        if not self.compatible_with(src):
+            raise ValueError("read_from a pool of different format or page geometry")
+        idx = page_ids.to(src.device)
+        staged = {name: t.index_select(0, idx).to(self.device, non_blocking=True)
+                  for name, t in src.layers[layer].items()}
+        return self._decode(layer, staged, torch.arange(idx.numel(), device=self.device))
+
+    def _decode(self, layer: int, st: dict[str, torch.Tensor],
+                page_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        k, v = self.fmt.load(st, page_ids, self.compute_dtype)
+        scale = self.k_channel_scale[layer]
+        if scale is not None:
+            k = k * scale[:, None, :]  # [P, H, S, D] * [H, 1, D]
+        return k, v
 
     def bytes_per_page(self) -> int:
         """Bytes one page takes across all layers (K, V and scales)."""

@@ -65,12 +65,11 @@ class AttentionBackend(Protocol):
         """q: [T, Hq, D], k/v: [T, Hkv, D] -> out [T, Hq, D]."""
 
 
-class HostKVStore(Protocol):
-    """The host tier as attention streams it (kv/pool.py PagePool implements it)."""
+class StreamingKVStore(KVStore, Protocol):
+    """A compute pool that can decode pages of its lower (host) tier (kv/pool.py PagePool)."""
 
-    def stream_read(self, layer: int, page_ids: torch.Tensor,
-                    device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """Move pages' stored codes to `device`, decode there -> k, v: [P, Hkv, ps, D]."""
+    def read_from(self, src: object, layer: int, page_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Move pages `page_ids` of tier `src` to this device, decode -> k, v: [P, Hkv, ps, D]."""
 
 
 # Host pages moved to the device per streamed chunk: bounds the staging memory
@@ -86,7 +85,7 @@ class DensePagedAttention:
     `host_store` in chunks (see the module docstring).
     """
 
-    def __init__(self, store: KVStore, scale: float, host_store: HostKVStore | None = None,
+    def __init__(self, store: KVStore | StreamingKVStore, scale: float, host_store: object | None = None,
                  stream_pages: int = DEFAULT_STREAM_PAGES):
         if stream_pages < 1:
             raise ValueError(f"stream_pages must be >= 1, got {stream_pages}")
@@ -95,7 +94,7 @@ class DensePagedAttention:
         self.host_store = host_store
         self.stream_pages = stream_pages
 
-    def attach_host_tier(self, host_store: HostKVStore | None) -> None:
+    def attach_host_tier(self, host_store: object | None) -> None:
         """Set the host pool that offloaded pages are streamed from."""
         self.host_store = host_store
 
@@ -140,7 +139,7 @@ class DensePagedAttention:
         acc: tuple[torch.Tensor, torch.Tensor] | None = None
         for i in range(0, n_host, self.stream_pages):
             chunk = host_ids[i:i + self.stream_pages]
-            kp, vp = self.host_store.stream_read(layer, chunk, q.device)
+            kp, vp = self.store.read_from(self.host_store, layer, chunk)  # type: ignore[attr-defined]
             acc = merge_partials(acc, attend_partial(q, kp, vp, chunk.numel() * ps, n_new, self.scale))
         pages = torch.tensor(table[n_host:], dtype=torch.long, device=q.device)
         kp, vp = self.store.read(layer, pages)

@@ -41,7 +41,9 @@ def test_cuda_pool_matches_cpu_pool(name: str) -> None:
         pool.write(1, slots.to(pool.device), k.to(pool.device), v.to(pool.device))
     ids = torch.arange(32)
     for a, b in zip(gpu.read(1, ids.cuda()), cpu.read(1, ids)):
-        if name == "fp8":  # CPU and GPU e4m3 casts agree on all but rare ties
+        if fmt.rotate_k or fmt.rotate_v:  # CUDA and CPU matmuls round differently: rare code ties flip
+            assert ((a.cpu() - b).norm() / b.norm()) < 1e-3
+        elif name == "fp8":  # CPU and GPU e4m3 casts agree on all but rare ties
             assert (a.cpu() != b).float().mean() < 1e-3
         else:
             assert torch.equal(a.cpu(), b)
