@@ -10,6 +10,7 @@ format-agnostic: gather -> copy -> scatter per tensor.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 
 import torch
@@ -50,6 +51,10 @@ class PagePool:
         self.k_shift: list[torch.Tensor | None] = [None] * num_layers
         self.k_channel_scale: list[torch.Tensor | None] = [None] * num_layers
         self._copy_stream: torch.cuda.Stream | None = None
+        # Page-copy accounting, this pool as the source (GPU pool: swap-out; host pool: swap-in).
+        self.copy_bytes = 0
+        self.copy_seconds = 0.0
+        self._pending: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []  # CUDA-timed copies
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """slots: [T] int64 (page * page_size + offset); k, v: [T, kv_heads, head_dim].
@@ -153,17 +158,41 @@ class PagePool:
         src_idx, dst_idx = self._check_copy(dst, src_ids, dst_ids)
         if src_idx.numel() == 0:
             return
+        self.copy_bytes += self.bytes_per_page() * src_idx.numel()
         cuda_dev = next((p.device for p in (self, dst) if p.device.type == "cuda"), None)
         if cuda_dev is None:
+            t0 = time.perf_counter()
             self._copy_layers(dst, src_idx, dst_idx, non_blocking=False)
+            self.copy_seconds += time.perf_counter() - t0
             return
         stream = self._stream(cuda_dev)
         stream.wait_stream(torch.cuda.current_stream(cuda_dev))
         with torch.cuda.stream(stream):
+            start = torch.cuda.Event(enable_timing=True)
+            start.record(stream)
             self._copy_layers(dst, src_idx, dst_idx, non_blocking=True)
-            done = torch.cuda.Event()
+            done = torch.cuda.Event(enable_timing=True)
             done.record(stream)
         torch.cuda.current_stream(cuda_dev).wait_event(done)
+        self._pending.append((start, done))  # timed when done: no sync here
+
+    def transfer_stats(self) -> dict[str, float]:
+        """Bytes, seconds and GB/s of the page copies out of this pool (`copy_to`).
+
+        CUDA copies are timed by events on the copy stream, read once they have
+        completed (never waited for here), so very recent copies may count only
+        their bytes until a later call.
+        """
+        still: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+        for start, done in self._pending:
+            if done.query():
+                self.copy_seconds += start.elapsed_time(done) / 1e3
+            else:
+                still.append((start, done))
+        self._pending = still
+        t = self.copy_seconds
+        return {"copy_bytes": self.copy_bytes, "copy_seconds": t,
+                "copy_gbps": self.copy_bytes / t / 1e9 if t > 0 else 0.0}
 
     def _copy_layers(self, dst: PagePool, src_idx: torch.Tensor, dst_idx: torch.Tensor,
                      non_blocking: bool) -> None:
