@@ -67,7 +67,9 @@ def cmd_serve(a: argparse.Namespace) -> int:
     scfg = ServerConfig(host=a.host, port=a.port, api_key=key, cors=a.cors,
                         max_concurrency=a.max_concurrency, max_queue=a.max_queue,
                         model_name=a.served_name or a.model)
-    engine = build_engine(a.model, _engine_config(a), console=console)
+    from kvtier.engine.plan import checked_engine_config
+    config = checked_engine_config(_engine_config(a), a.model, a.gpu_memory_limit)  # refuses before loading
+    engine = build_engine(a.model, config, console=console)
     scfg = ServerConfig(**{**scfg.__dict__, "model_name": a.served_name or engine.model_name})
     url = f"http://{a.host}:{a.port}"
     console.print(f"[bold]kvtier[/] serving [cyan]{scfg.model_name}[/] at {url}  (chat page: {url}/)")
@@ -201,6 +203,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-concurrency", type=int, default=64, help="requests in the engine at once")
     p.add_argument("--max-queue", type=int, default=256, help="requests waiting beyond those; more get 429/529")
     p.add_argument("--served-name", default=None)
+    p.add_argument("--gpu-memory-limit", default=None,
+                   help="cap on everything kvtier allocates on the GPU, e.g. 12GiB (checked by `kvtier plan`)")
     p.set_defaults(fn=cmd_serve)
     p = sub.add_parser("generate", help="complete one prompt")
     _engine_args(p)

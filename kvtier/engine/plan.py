@@ -12,13 +12,13 @@ import argparse
 import math
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
 
-from kvtier.config import DEFAULT_PAGE_SIZE, DEFAULT_PREFILL_CHUNK, ModelSpec
+from kvtier.config import DEFAULT_PAGE_SIZE, DEFAULT_PREFILL_CHUNK, EngineConfig, ModelSpec
 
 GIB = 2**30
 MIB = 2**20
@@ -190,11 +190,6 @@ def plan_for_args(model: str, kv_dtype: str, context: int | None, gpu_memory_lim
     return make_plan(spec_for(model), kv, context, limit, host, prefill_chunk=prefill_chunk)
 
 
-def refusal(plan: MemoryPlan) -> str:
-    """One message listing what does not fit and what to change."""
-    return "the memory plan does not fit (see `kvtier plan`):\n  - " + "\n  - ".join(plan.problems)
-
-
 def run_plan(a: argparse.Namespace) -> int:
     plan = plan_for_args(a.model, a.kv_dtype, a.context, a.gpu_memory_limit, a.host_kv_mib)
     console = Console()
@@ -207,3 +202,39 @@ def run_plan(a: argparse.Namespace) -> int:
     for p in plan.problems:
         console.print(f"[red]does not fit:[/] {p}")
     return 2
+
+
+def checked_engine_config(config: EngineConfig, model: str, gpu_memory_limit: str | None) -> EngineConfig:
+    """`kvtier serve`'s check, before anything loads: the plan for `gpu_memory_limit` must fit.
+
+    Raises ValueError with what to change when it does not. When it fits, the GPU
+    pool and host tier not set explicitly are sized from the plan, and on CUDA the
+    process is capped at the limit (so a 12 GiB card can be reproduced on a larger one).
+    Without a limit the config is returned unchanged.
+    """
+    if gpu_memory_limit is None:
+        return config
+    cc = config.cache
+    plan = plan_for_args(model, cc.kv_dtype, config.max_model_len, gpu_memory_limit, cc.host_kv_mib,
+                         config.prefill_chunk)
+    problems = list(plan.problems)
+    room = (plan.gpu_limit or 0) - plan.weight_bytes - plan.scratch_bytes - plan.reserve_bytes
+    if cc.gpu_kv_mib is not None and cc.gpu_kv_mib * MIB > room:
+        problems.append(f"--gpu-kv-mib {cc.gpu_kv_mib} does not fit the {max(room, 0) // MIB} MiB the "
+                        f"--gpu-memory-limit leaves for KV: lower it or leave it out (sized from the plan)")
+    if problems:
+        raise ValueError("the memory plan does not fit (see `kvtier plan`):\n  - " + "\n  - ".join(problems))
+    gpu_kv_mib = cc.gpu_kv_mib or max(1, plan.gpu_kv_bytes // MIB)
+    host_kv_mib = cc.host_kv_mib or math.ceil(plan.host_kv_bytes / MIB)
+    _cap_cuda_memory(plan.gpu_limit or 0, config.device)
+    return replace(config, cache=replace(cc, gpu_kv_mib=gpu_kv_mib, host_kv_mib=host_kv_mib))
+
+
+def _cap_cuda_memory(limit: int, device: str) -> None:
+    """Make torch's allocator refuse to grow past `limit` bytes on the CUDA device."""
+    import torch
+
+    if device == "cpu" or not torch.cuda.is_available():
+        return
+    total = torch.cuda.get_device_properties(0).total_memory
+    torch.cuda.set_per_process_memory_fraction(min(1.0, limit / total))

@@ -1,0 +1,76 @@
+"""Memory plan: per-tier sizes and tokens, `kvtier plan` output, `serve` refusing before loading."""
+
+from __future__ import annotations
+
+import pytest
+
+import kvtier.engine.plan as plan_mod
+from kvtier.cli import main
+from kvtier.config import EngineConfig
+from kvtier.engine.plan import GIB, MIB, checked_engine_config, make_plan, parse_size, spec_for
+
+FREE_RAM = 64 * GIB  # host RAM the tests pretend is free (independent of the machine)
+
+
+@pytest.fixture(autouse=True)
+def _fixed_ram(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(plan_mod, "host_ram_available", lambda: FREE_RAM)
+
+
+def test_parse_size() -> None:
+    assert parse_size("12GiB") == 12 * GIB and parse_size("500MiB") == 500 * MIB
+    assert parse_size("1.5GB") == 1_500_000_000 and parse_size("4096") == 4 * GIB
+    with pytest.raises(ValueError, match="12GiB"):
+        parse_size("twelve")
+
+
+def test_plan_splits_context_across_tiers() -> None:
+    spec = spec_for("qwen3-8b")
+    p = make_plan(spec, "k8v4", 262144, 24 * GIB, None)
+    assert p.fits and p.gpu_total_bytes <= 24 * GIB
+    assert p.gpu_kv_tokens + p.host_kv_tokens >= 262144 - 1 and p.host_kv_tokens > 0
+    assert p.gpu_kv_bytes == 24 * GIB - p.weight_bytes - p.scratch_bytes - p.runtime_bytes - p.graph_bytes
+    # a quantized format fits more tokens per GiB
+    assert make_plan(spec, "bf16", 262144, 24 * GIB, None).gpu_kv_tokens < p.gpu_kv_tokens / 2.5
+    short = make_plan(spec, "k8v4", 4096, 24 * GIB, None)
+    assert short.fits and short.host_kv_bytes == 0 and short.gpu_kv_tokens == 4096
+
+
+def test_plan_refusals_say_what_to_change() -> None:
+    spec = spec_for("qwen3-8b")
+    p = make_plan(spec, "k8v4", 131072, 12 * GIB, None)  # 15 GiB of bf16 weights
+    assert not p.fits and "raise --gpu-memory-limit to at least" in p.problems[0]
+    p = make_plan(spec, "k8v4", 262144, 24 * GIB, 64 * MIB)
+    assert not p.fits and "--host-kv-mib" in p.problems[0]
+
+
+def test_plan_cli_prints_every_tier(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["plan", "--model", "qwen3-8b", "--gpu-memory-limit", "24GiB", "--context", "262144",
+                 "--kv-dtype", "k8v4"]) == 0
+    out = capsys.readouterr().out
+    for row in ("weights", "GPU KV pool", "host KV tier", "scratch", "CUDA graphs", "CUDA runtime", "fits"):
+        assert row in out
+    assert main(["plan", "--model", "qwen3-8b", "--gpu-memory-limit", "12GiB", "--kv-dtype", "k8v4"]) == 2
+
+
+def test_serve_refuses_before_loading(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    import kvtier.engine.build as build
+
+    def no_load(*a, **k):
+        raise AssertionError("serve loaded the model before checking the plan")
+
+    monkeypatch.setattr(build, "build_engine", no_load)
+    assert main(["serve", "--model", "qwen3-8b", "--gpu-memory-limit", "12GiB", "--kv-dtype", "k8v4"]) == 2
+    err = capsys.readouterr().err
+    assert "does not fit" in err and "--gpu-memory-limit" in err
+
+
+def test_fitting_plan_sizes_the_pools() -> None:
+    cfg = EngineConfig(device="cpu", max_model_len=262144)
+    got = checked_engine_config(cfg, "qwen3-8b", "24GiB")
+    p = make_plan(spec_for("qwen3-8b"), "bf16", 262144, 24 * GIB, None)
+    assert got.cache.gpu_kv_mib == p.gpu_kv_bytes // MIB and got.cache.host_kv_mib * MIB >= p.host_kv_bytes
+    assert checked_engine_config(cfg, "qwen3-8b", None) is cfg
+    with pytest.raises(ValueError, match="--gpu-kv-mib"):
+        from dataclasses import replace
+        checked_engine_config(replace(cfg, cache=replace(cfg.cache, gpu_kv_mib=20_000)), "qwen3-8b", "24GiB")
