@@ -43,10 +43,13 @@ def cpu_has_native_bf16() -> bool:
         return False
 
 
-def prepare_model(net, config: EngineConfig):
-    """Apply the resolved config's weight options to a built Decoder."""
+def prepare_model(net, config: EngineConfig, source_types: dict[str, str] | None = None):
+    """Apply the resolved config's weight options to a built Decoder.
+
+    source_types (HF tensor name -> checkpoint quant type) lets 4-bit GGUF tensors decode as int4.
+    """
     if config.decode_weights == "int8":
-        net.enable_int8_gemv()
+        net.enable_int8_gemv(source_types)
     return net
 
 
@@ -72,7 +75,7 @@ def build_engine(model: str, config: EngineConfig | None = None, show_progress: 
         dev = torch.device(config.device)
         net = Decoder.from_tensors(ckpt.spec, ckpt.tensors, dtype=DTYPES[config.dtype], device=dev)
         del ckpt.tensors
-        prepare_model(net, config)
+        prepare_model(net, config, ckpt.metadata.get("tensor_types"))
         prog.update(task, advance=1, description="loading tokenizer")
         tok = Tokenizer.from_checkpoint(ckpt)
         prog.update(task, advance=1)
@@ -84,7 +87,7 @@ def build_engine(model: str, config: EngineConfig | None = None, show_progress: 
         spec = ckpt.spec
         console.print(f"[green]loaded[/] {name}: {spec.arch}, {spec.num_layers} layers, "
                       f"hidden {spec.hidden_size}, on {config.device} ({config.dtype}"
-                      f"{', int8 decode weights' if config.decode_weights == 'int8' else ''}) "
+                      f"{', int8/int4 decode weights' if config.decode_weights == 'int8' else ''}) "
                       f"in {time.monotonic() - t0:.1f}s; KV {engine.kv_format}, "
                       f"{engine.pool.num_pages} pages x {config.cache.page_size} tokens")
     return engine

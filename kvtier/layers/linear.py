@@ -4,7 +4,10 @@ Decode on CPU is bound by reading the weights: one token reads every matrix
 once. `Linear.enable_int8_gemv()` adds a weight-only int8 copy (one scale per
 output row) that small batches (<= INT8_GEMV_MAX_ROWS rows) multiply with
 torch's `_weight_int8pack_mm` (VNNI/AMX kernels, bf16 activations): half the
-bytes of bf16 and measured 2.5x faster at one row. Larger batches (prefill)
+bytes of bf16 and measured 2.5x faster at one row. `enable_int4_gemv()` keeps
+group-wise int4 instead (`_weight_int4pack_mm_for_cpu`, a quarter of the
+bytes), used where the checkpoint's tensor is already 4-bit (GGUF Q4_*), so
+nothing is lost that the file had. Larger batches (prefill)
 keep the dense bf16 GEMM, which AMX makes far faster than the int8 kernel
 there (see docs/benchmarks.md for the crossover).
 """
@@ -18,6 +21,12 @@ import torch.nn.functional as F
 # on a 2-core Sapphire Rapids: int8 wins at 1-4 rows, bf16 AMX GEMM from 8).
 INT8_GEMV_MAX_ROWS = 4
 INT8_MAX = 127
+# int4 weights: groups of 32 input columns (the GGUF Q4 block size), torch's int4pack offset 8.
+INT4_GROUP = 32
+INT4_LEVELS = 15
+INT4_OFFSET = 8
+# GGUF quant types of 4 bits or fewer per weight: their tensors lose nothing more as int4 groups.
+FOUR_BIT_SOURCES = frozenset({"Q4_0", "Q4_1", "Q4_K", "IQ4_NL", "IQ4_XS", "Q3_K", "Q2_K"})
 
 
 def quantize_rows_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -33,6 +42,31 @@ def quantize_rows_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
     return q.contiguous(), scale.to(weight.dtype)
 
 
+def quantize_groups_int4(weight: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Asymmetric int4 per group of `group` input columns, in torch's int4pack convention:
+    weight ~= (q - 8) * scale + zero, q in 0..15.
+
+    A group that came from a GGUF Q4_0/Q4_1/Q4_K block spanning its full 0..15 range is
+    reproduced exactly (up to the bf16 scale): min/max give back the block's own step.
+    Returns (q int32 [out, in], scales_and_zeros [in / group, out, 2] in the weight's dtype).
+    """
+    out_f, in_f = weight.shape
+    w = weight.float().reshape(out_f, in_f // group, group)
+    lo, hi = w.amin(-1), w.amax(-1)  # [out, G]
+    scale = torch.where(hi > lo, (hi - lo) / INT4_LEVELS, torch.ones_like(hi))
+    scale = scale.to(weight.dtype).float()  # quantize against the scale the kernel will use
+    q = torch.round((w - lo[..., None]) / scale[..., None]).clamp_(0, INT4_LEVELS)
+    zero = lo + INT4_OFFSET * scale  # (q - 8) * scale + zero == q * scale + lo
+    sz = torch.stack((scale, zero), dim=-1).transpose(0, 1).contiguous().to(weight.dtype)  # [G, out, 2]
+    return q.reshape(out_f, in_f).to(torch.int32), sz
+
+
+def int4_gemv_supported(device: torch.device, dtype: torch.dtype, in_features: int,
+                        group: int = INT4_GROUP) -> bool:
+    return (device.type == "cpu" and dtype == torch.bfloat16 and in_features % group == 0
+            and hasattr(torch, "_weight_int4pack_mm_for_cpu"))
+
+
 def int8_gemv_supported(device: torch.device, dtype: torch.dtype) -> bool:
     """torch's weight-only int8 kernel: CPU with bf16 activations here."""
     return device.type == "cpu" and dtype == torch.bfloat16 and hasattr(torch, "_weight_int8pack_mm")
@@ -46,7 +80,8 @@ class Linear(torch.nn.Module):
         self.weight = torch.nn.Parameter(weight.contiguous(), requires_grad=False)  # [out, in]
         self.bias = None if bias is None else torch.nn.Parameter(bias.contiguous(), requires_grad=False)
         self.register_buffer("qweight", None, persistent=False)  # int8 [out, in] (enable_int8_gemv)
-        self.register_buffer("qscale", None, persistent=False)  # [out]
+        self.register_buffer("qscale", None, persistent=False)  # int8: [out]; int4: [in/group, out, 2]
+        self.qgroup = 0  # int4 group size; 0 = the int8 copy (or none)
 
     def enable_int8_gemv(self) -> None:
         """Keep an int8 copy of the weight for small batches (see module doc)."""
@@ -54,7 +89,15 @@ class Linear(torch.nn.Module):
             raise ValueError(f"int8 GEMV needs bf16 weights on CPU, not {self.weight.dtype} on "
                              f"{self.weight.device.type}")
         q, s = quantize_rows_int8(self.weight.data)
-        self.qweight, self.qscale = q, s
+        self.qweight, self.qscale, self.qgroup = q, s, 0
+
+    def enable_int4_gemv(self, group: int = INT4_GROUP) -> None:
+        """Keep a group-wise int4 copy instead (for weights whose source is already 4-bit)."""
+        if not int4_gemv_supported(self.weight.device, self.weight.dtype, self.weight.shape[1], group):
+            raise ValueError(f"int4 GEMV needs bf16 weights on CPU with in_features % {group} == 0")
+        q, sz = quantize_groups_int4(self.weight.data, group)
+        self.qweight = torch._convert_weight_to_int4pack_for_cpu(q, 1)  # uint8 [out, in / 2]
+        self.qscale, self.qgroup = sz, group
 
     def _uses_int8(self, x: torch.Tensor) -> bool:
         return self.qweight is not None and x.shape[0] <= INT8_GEMV_MAX_ROWS
@@ -62,7 +105,10 @@ class Linear(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [T, in] -> [T, out]"""
         if self._uses_int8(x):
-            y = torch._weight_int8pack_mm(x.contiguous(), self.qweight, self.qscale)
+            if self.qgroup:
+                y = torch._weight_int4pack_mm_for_cpu(x.contiguous(), self.qweight, self.qgroup, self.qscale)
+            else:
+                y = torch._weight_int8pack_mm(x.contiguous(), self.qweight, self.qscale)
             return y if self.bias is None else y.add_(self.bias)
         return F.linear(x, self.weight, self.bias)
 

@@ -17,7 +17,8 @@ import torch.nn.functional as F
 
 from kvtier.config import ModelSpec
 from kvtier.layers.attention import AttentionBackend, AttentionMetadata
-from kvtier.layers.linear import INT8_GEMV_MAX_ROWS, FusedLinear, Linear, quantize_rows_int8
+from kvtier.layers.linear import (FOUR_BIT_SOURCES, INT8_GEMV_MAX_ROWS, FusedLinear, Linear, int4_gemv_supported,
+                                  quantize_rows_int8)
 from kvtier.layers.mlp import GatedMLP
 from kvtier.layers.norm import RMSNorm
 from kvtier.layers.rotary import RotaryEmbedding, apply_rotary
@@ -120,11 +121,25 @@ class Decoder(torch.nn.Module):
         with torch.device(device):
             return cls(spec, cast, dtype, device)
 
-    def enable_int8_gemv(self) -> None:
-        """Int8 weight copies for small-batch (decode) matmuls, lm_head included (layers/linear.py)."""
-        for m in self.modules():
-            if isinstance(m, Linear):
-                m.enable_int8_gemv()
+    def enable_int8_gemv(self, source_types: dict[str, str] | None = None) -> None:
+        """Quantized weight copies for small-batch (decode) matmuls, lm_head included (layers/linear.py).
+
+        int8 per row by default; int4 groups where every source tensor of a matmul is 4-bit in
+        the checkpoint (`source_types`: HF tensor name -> GGUF quant type name).
+        """
+        types = source_types or {}
+        for i, layer in enumerate(self.layers):
+            p = f"model.layers.{i}."
+            parts = {layer.qkv: [f"{p}self_attn.{x}_proj.weight" for x in "qkv"],
+                     layer.o_proj: [f"{p}self_attn.o_proj.weight"],
+                     layer.mlp.gate_up: [f"{p}mlp.gate_proj.weight", f"{p}mlp.up_proj.weight"],
+                     layer.mlp.down: [f"{p}mlp.down_proj.weight"]}
+            for lin, names in parts.items():
+                four_bit = all(types.get(n) in FOUR_BIT_SOURCES for n in names)
+                if four_bit and int4_gemv_supported(lin.weight.device, lin.weight.dtype, lin.weight.shape[1]):
+                    lin.enable_int4_gemv()
+                else:
+                    lin.enable_int8_gemv()
         q, s = quantize_rows_int8(self.lm_head.data)
         self.register_buffer("head_q", q, persistent=False)
         self.register_buffer("head_scale", s, persistent=False)

@@ -76,3 +76,45 @@ def test_decode_attend_matches_sdpa(dtype, hq, hkv):
     assert torch.allclose(got.float(), ref, atol=tol, rtol=tol)
     one = decode_attend_cpu(q[0], k[0], v[0], 0.3)  # unbatched, no mask
     assert torch.allclose(one.float(), ref[0], atol=tol, rtol=tol)
+
+
+def test_quantize_groups_int4_reproduces_q4_1_blocks():
+    """Groups that are GGUF Q4_1 blocks (d * q + m, q spanning 0..15) come back exactly."""
+    from kvtier.layers.linear import INT4_OFFSET, quantize_groups_int4
+
+    g = torch.Generator().manual_seed(3)
+    out_f, in_f, group = 8, 64, 32
+    d = (torch.rand(out_f, in_f // group, 1, generator=g) * 0.05 + 0.01).bfloat16().float()
+    m = torch.randn(out_f, in_f // group, 1, generator=g) * 0.1
+    q = torch.randint(0, 16, (out_f, in_f // group, group), generator=g)
+    q[..., 0], q[..., 1] = 0, 15  # each block spans the full range, as Q4_1 blocks do
+    w = (d * q + m).reshape(out_f, in_f)
+    qi, sz = quantize_groups_int4(w, group)
+    scale = sz[..., 0].float().t().repeat_interleave(group, 1)
+    zero = sz[..., 1].float().t().repeat_interleave(group, 1)
+    back = (qi.float() - INT4_OFFSET) * scale + zero
+    assert torch.equal(qi.reshape(q.shape), q.to(torch.int32))
+    assert float((back - w).abs().max()) <= 2e-3 * float(w.abs().max())  # bf16 zero rounding only
+
+
+@pytest.mark.skipif(not hasattr(torch, "_weight_int4pack_mm_for_cpu"), reason="no CPU int4 kernel")
+@pytest.mark.parametrize("rows", [1, 4, 9])
+def test_int4_gemv_matches_dequantized_reference(rows):
+    from kvtier.layers.linear import INT4_OFFSET, quantize_groups_int4
+
+    g = torch.Generator().manual_seed(rows)
+    w = (torch.randn(96, 128, generator=g) * 0.1).bfloat16()
+    x = torch.randn(rows, 128, generator=g).bfloat16()
+    lin = Linear(w)
+    dense = lin(x).float()
+    lin.enable_int4_gemv()
+    got = lin(x).float()
+    if rows <= INT8_GEMV_MAX_ROWS:
+        qi, sz = quantize_groups_int4(w, 32)
+        scale = sz[..., 0].float().t().repeat_interleave(32, 1)
+        zero = sz[..., 1].float().t().repeat_interleave(32, 1)
+        ref = x.float() @ ((qi.float() - INT4_OFFSET) * scale + zero).t()
+        assert float((got - ref).abs().max() / ref.abs().max()) < 1e-2
+        assert float((got - dense).abs().max() / dense.abs().max()) < 0.15  # int4 of gaussian weights
+    else:
+        assert torch.equal(got, dense)
