@@ -151,8 +151,11 @@ def bench_hf(path: Path, ids: list[int], gen: int, device: torch.device, dtype: 
         total = time.perf_counter() - t0
     n = out.shape[1] - x.shape[1]
     wbytes = sum(t.numel() * t.element_size() for t in model.parameters())
-    return Result("hf-transformers", len(ids), n, ttft, len(ids) / ttft,
+    return Result(f"hf-transformers {DTYPE_NAMES[dtype]}", len(ids), n, ttft, len(ids) / ttft,
                   (n - 1) / max(total - ttft, 1e-9), wbytes, bandwidth)
+
+
+DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 
 
 def bench_hf_model(model, ids: list[int], gen: int, device: torch.device, bandwidth: float) -> Result:
@@ -231,7 +234,11 @@ def run_bench(a: argparse.Namespace) -> int:
     results = [bench_kvtier(engine, ids, a.gen_tokens, bw)]
     if not a.no_hf:
         if isinstance(ref, Path):
-            results.append(bench_hf(ref, ids, a.gen_tokens, engine.device, DTYPES[engine.config.dtype], bw))
+            dtypes = [DTYPES[engine.config.dtype]]
+            if engine.device.type == "cpu" and torch.float32 not in dtypes:
+                dtypes.append(torch.float32)  # transformers' own CPU default, for reference
+            for dt in dtypes:
+                results.append(bench_hf(ref, ids, a.gen_tokens, engine.device, dt, bw))
         else:
             results.append(bench_hf_model(ref, ids, a.gen_tokens, engine.device, bw))
     if a.llama_cpp and isinstance(ref, Path) and ref.suffix == ".gguf":
@@ -247,9 +254,11 @@ def run_bench(a: argparse.Namespace) -> int:
 def _report(console: Console, engine, results: list[Result], bw: float, out: str | None) -> None:
     dev = torch.cuda.get_device_name() if engine.device.type == "cuda" else \
         f"cpu, {torch.get_num_threads()} threads"
-    table = Table(title=f"{engine.model_name} ({engine.config.dtype}) on {dev}; "
+    weights = engine.config.dtype + (", int8/int4 decode weights" if engine.config.decode_weights == "int8" else "")
+    table = Table(title=f"{engine.model_name} ({weights}) on {dev}; "
                         f"copy bandwidth {bw / 1e9:.1f} GB/s")
-    for col in ("engine", "prompt", "gen", "TTFT ms", "prefill tok/s", "decode tok/s", "% BW bound"):
+    table.add_column("engine", no_wrap=True, min_width=max(len(r.engine) for r in results))
+    for col in ("prompt", "gen", "TTFT ms", "prefill tok/s", "decode tok/s", "% BW bound"):
         table.add_column(col, justify="right")
     rows = []
     for r in results:
