@@ -64,7 +64,7 @@ def cmd_serve(a: argparse.Namespace) -> int:
     from kvtier.server.app import serve
 
     key = a.api_key or os.environ.get("KVTIER_API_KEY")
-    scfg = ServerConfig(host=a.host, port=a.port, api_key=key, cors=a.cors,
+    scfg = ServerConfig(host=a.host, port=a.port, api_key=key, cors=tuple(a.cors),
                         max_concurrency=a.max_concurrency, max_queue=a.max_queue,
                         model_name=a.served_name or a.model)
     from kvtier.engine.plan import checked_engine_config
@@ -199,7 +199,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", default=None, help="required off loopback (or KVTIER_API_KEY)")
-    p.add_argument("--cors", action="store_true", help="allow cross-origin browser requests")
+    p.add_argument("--cors", nargs="+", default=(), metavar="ORIGIN",
+                   help="allow cross-origin browser requests from these origins ('*' = any)")
     p.add_argument("--max-concurrency", type=int, default=64, help="requests in the engine at once")
     p.add_argument("--max-queue", type=int, default=256, help="requests waiting beyond those; more get 429/529")
     p.add_argument("--served-name", default=None)

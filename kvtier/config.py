@@ -114,7 +114,7 @@ class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 8000
     api_key: str | None = None
-    cors: bool = False
+    cors: tuple[str, ...] = ()  # allowed browser origins ("*" = any); empty = CORS off
     max_concurrency: int = 64
     max_queue: int = 256
     max_request_bytes: int = 8 * 1024 * 1024

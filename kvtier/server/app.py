@@ -182,8 +182,7 @@ def create_app(engine, config: ServerConfig) -> FastAPI:
     app.add_middleware(Guard, config=config, metrics=metrics)
     if config.cors:
         from fastapi.middleware.cors import CORSMiddleware
-        origins = [config.cors] if isinstance(config.cors, str) else (
-            list(config.cors) if isinstance(config.cors, (list, tuple)) else ["*"])
+        origins = [config.cors] if isinstance(config.cors, str) else list(config.cors)
         app.add_middleware(CORSMiddleware, allow_origins=origins, allow_methods=["*"], allow_headers=["*"],
                            expose_headers=["x-should-retry"])
     return app

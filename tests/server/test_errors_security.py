@@ -103,7 +103,12 @@ def test_cors_only_when_enabled(engine):
     with make_client(engine) as c:
         r = c.options("/v1/chat/completions", headers=pre)
         assert "access-control-allow-origin" not in r.headers
-    with make_client(engine, cors=True) as c:
+    with make_client(engine, cors=("http://app.example",)) as c:
+        r = c.options("/v1/chat/completions", headers=pre)
+        assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "http://app.example"
+        other = c.options("/v1/chat/completions", headers={**pre, "origin": "http://evil.example"})
+        assert other.headers.get("access-control-allow-origin") != "http://evil.example"
+    with make_client(engine, cors=("*",)) as c:
         r = c.options("/v1/chat/completions", headers=pre)
         assert r.status_code == 200 and r.headers["access-control-allow-origin"] in ("*", "http://app.example")
 
