@@ -232,6 +232,31 @@ def test_swap_in_chain_is_pinned_against_host_eviction() -> None:
     m.check_integrity()
 
 
+def test_two_contexts_sharing_a_prefix_share_only_its_pages() -> None:
+    """A = P + X and B = P + Y: only P's full pages are shared; nothing after the fork is,
+    neither while both run nor later, when either comes back."""
+    m = CacheManager(num_gpu_pages=32, page_size=PS, num_host_pages=8)
+    p = list(range(10))  # 2 full pages + 2 tokens of shared prefix
+    a, b = p + [50] * 9, p + [60] * 9
+    run_seq(m, "a", a)
+    assert m.add_sequence("b", b) == 8  # the 2 full pages of P, not the partial third page
+    assert m.ensure("b", len(b))
+    ta, tb = m.page_table("a"), m.page_table("b")
+    assert ta[:2] == tb[:2] and not set(ta[2:]) & set(tb[2:])
+    m.commit("b", b)
+    m.free("a")
+    m.free("b")
+    for ctx, other in ((a, b), (b, a)):
+        got = m.add_sequence("again", ctx + [1])
+        assert got == len(ctx) // PS * PS  # its own pages...
+        mine = m.page_table("again")
+        m.free("again")
+        assert m.add_sequence("other", other + [1]) == len(other) // PS * PS
+        assert set(m.page_table("other")) & set(mine) == set(m.page_table("other")[:2])  # ...only P shared
+        m.free("other")
+    m.check_integrity()
+
+
 BASES = [(0, 1, 0, 1, 1, 1, 0, 0, 1, 0), (0, 1, 1, 0, 2, 2), (1,) * 10]  # shared conversation starts
 NAMESPACES = ("t", "u")  # two models/formats: their pages must never serve each other
 
