@@ -21,6 +21,8 @@ from kvtier.kv.formats import KVFormat
 SPREAD_FLOOR = 0.1
 # ... and at least this (fp16-safe; all-equal first rows give a uniform scale).
 MIN_CHANNEL_SCALE = 1e-2
+# channel_scale = spread ** SPREAD_POWER: 1 equalises the channels fully, 0 turns the scaling off.
+SPREAD_POWER = 1.0
 
 
 class PagePool:
@@ -84,7 +86,7 @@ class PagePool:
         spread = (k - shift).std(dim=0, unbiased=False)  # [H, D]
         floor = (spread.median(dim=-1, keepdim=True).values * SPREAD_FLOOR).clamp_min(MIN_CHANNEL_SCALE)
         self.k_shift[layer] = shift.to(self.compute_dtype)
-        self.k_channel_scale[layer] = torch.maximum(spread, floor).to(self.compute_dtype)
+        self.k_channel_scale[layer] = torch.maximum(spread, floor).pow(SPREAD_POWER).to(self.compute_dtype)
 
     def read(self, layer: int, page_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """page_ids: [P] -> k, v: [P, kv_heads, page_size, head_dim] in compute_dtype.

@@ -13,7 +13,7 @@ from kvtier.kv.pool import PagePool
 from kvtier.layers.attention import AttentionMetadata, DensePagedAttention
 
 TEXT = ("The history of the printing press begins in the fifteenth century, when movable type made "
-        "books cheaper and faster to produce than hand-copied manuscripts. ") * 9
+        "books cheaper and faster to produce than hand-copied manuscripts. ") * 6
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +35,7 @@ def generate(smol, prompt: list[int], kv: str, **cache_kw):
                        cache=CacheConfig(page_size=16, kv_dtype=kv, **cache_kw))
     eng = Engine(model, tok, cfg, model_name="smollm2-135m")
     eng.runner.backend.attach_host_tier(eng.host_pool)
-    req = Request("long", prompt, SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True))
+    req = Request("long", prompt, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
     outs = eng.generate_sync([req])["long"]
     eng.manager.check_integrity()
     return [t for o in outs for t in o.token_ids], eng
@@ -44,12 +44,12 @@ def generate(smol, prompt: list[int], kv: str, **cache_kw):
 @pytest.mark.parametrize("kv", ["fp32", "k8v4"])
 def test_sequence_longer_than_gpu_pool_equals_all_in_pool(smol, kv: str) -> None:
     prompt = smol[1].encode(TEXT)
-    assert len(prompt) > 200
+    assert len(prompt) > 150  # GPU pool below: 96 tokens
     want, _ = generate(smol, prompt, kv, num_pages=64)  # 1024 tokens: all in the pool
     got, eng = generate(smol, prompt, kv, num_pages=6, host_kv_mib=32)  # 96 tokens of GPU pool
     assert got == want
     st = eng.manager.stats()
-    assert st["offloads"] >= (len(prompt) + 10) // 16 - 6  # most pages went through the host
+    assert st["offloads"] >= (len(prompt) + 8) // 16 - 6  # most pages went through the host
     assert st["host_pages_used"] == 0 and st["sequences"] == 0  # held pages released at the end
 
 
