@@ -26,7 +26,7 @@ log-sum-exp, so the result equals attention over one big pool:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
@@ -41,6 +41,9 @@ class AttentionMetadata:
     page_tables: list[list[int]]  # [B][n_pages_b] compute-pool page ids, in order
     slot_mapping: torch.Tensor  # [T] int64: page_id * page_size + offset for each new token
     logits_indices: torch.Tensor  # [N] int64 packed rows whose logits are wanted
+    # What a backend derives from the tables once per step and reuses in every layer
+    # (device page-index tensors, masks): built by the first layer, keyed by the backend.
+    step_cache: dict = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def num_seqs(self) -> int:
@@ -101,23 +104,42 @@ class DensePagedAttention:
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
         self.store.write(layer, meta.slot_mapping, k, v)
-        ps = self.store.page_size
-        tables = [pt[:(n + ps - 1) // ps] for pt, n in zip(meta.page_tables, meta.seq_lens)]
-        streamed = [sum(1 for p in pt if p < 0) for pt in tables]
-        if len(meta.query_start_loc) - 1 == q.shape[0] and meta.num_seqs > 1 and not any(streamed):
-            return self._decode_batch(layer, q, meta)  # every sequence brings one new token
+        plan = meta.step_cache.get(id(self))
+        if plan is None:  # first layer of this step: page tables -> device tensors, once
+            plan = meta.step_cache[id(self)] = self._plan(meta, q.device, q.shape[0])
+        if plan.batch_table is not None:
+            return self._decode_batch(layer, q, plan)  # every sequence brings one new token
         out = torch.empty_like(q)
         qsl = meta.query_start_loc
         for b in range(meta.num_seqs):
             lo, hi = qsl[b], qsl[b + 1]
             n_new, ctx = hi - lo, meta.seq_lens[b]
-            if streamed[b]:
-                out[lo:hi] = self._attend_streamed(layer, q[lo:hi], tables[b], streamed[b], ctx)
+            if plan.streamed[b]:
+                out[lo:hi] = self._attend_streamed(layer, q[lo:hi], plan.tables[b], plan.streamed[b], ctx)
                 continue
-            pages = torch.tensor(tables[b], dtype=torch.long, device=q.device)
-            kp, vp = self.store.read(layer, pages)  # [P, Hkv, ps, D]
+            kp, vp = self.store.read(layer, plan.pages[b])  # [P, Hkv, ps, D]
             out[lo:hi] = attend_one(q[lo:hi], kp, vp, ctx, n_new, self.scale)
         return out
+
+    def _plan(self, meta: AttentionMetadata, device: torch.device, n_rows: int) -> "_StepPlan":
+        ps = self.store.page_size
+        tables = [pt[:(n + ps - 1) // ps] for pt, n in zip(meta.page_tables, meta.seq_lens)]
+        # host pages (negative ids) form a table's head, so counting stops at the first resident one
+        streamed = [next((i for i, p in enumerate(pt) if p >= 0), len(pt)) for pt in tables]
+        plan = _StepPlan(tables, streamed)
+        if n_rows == meta.num_seqs and meta.num_seqs > 1 and not any(streamed):
+            max_p = max(len(pt) for pt in tables)
+            table = torch.zeros(meta.num_seqs, max_p, dtype=torch.long)
+            for b, pt in enumerate(tables):
+                table[b, :len(pt)] = torch.tensor(pt, dtype=torch.long)
+            plan.batch_table = table.flatten().to(device, non_blocking=True)
+            plan.max_pages = max_p
+            lens = torch.tensor(meta.seq_lens, device=device)
+            plan.batch_mask = (torch.arange(max_p * ps, device=device)[None, :] < lens[:, None])[:, None, None, :]
+        else:
+            plan.pages = [None if n else torch.tensor(pt, dtype=torch.long).to(device, non_blocking=True)
+                          for pt, n in zip(tables, streamed)]
+        return plan
 
     def _attend_streamed(self, layer: int, q: torch.Tensor, table: list[int], n_host: int,
                          ctx: int) -> torch.Tensor:
@@ -147,31 +169,35 @@ class DensePagedAttention:
         return acc[0].to(q.dtype)
 
 
-    def _decode_batch(self, layer: int, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def _decode_batch(self, layer: int, q: torch.Tensor, plan: "_StepPlan") -> torch.Tensor:
         """All rows are decodes: one padded SDPA call over every sequence's pages.
 
-        q: [B, Hq, D] -> [B, Hq, D]; keys beyond seq_lens[b] are masked out.
+        q: [B, Hq, D] -> [B, Hq, D]; keys beyond seq_lens[b] are masked out (plan.batch_mask).
         """
-        ps = self.store.page_size
-        n_pages = [(n + ps - 1) // ps for n in meta.seq_lens]
-        max_p = max(n_pages)
-        table = torch.zeros(meta.num_seqs, max_p, dtype=torch.long)
-        for b, pt in enumerate(meta.page_tables):
-            table[b, :n_pages[b]] = torch.tensor(pt[:n_pages[b]], dtype=torch.long)
-        table = table.to(q.device)
-        kp, vp = self.store.read(layer, table.flatten())  # [B*max_p, Hkv, ps, D]
-        bsz, hkv, d = meta.num_seqs, kp.shape[1], kp.shape[3]
+        ps, max_p = self.store.page_size, plan.max_pages
+        kp, vp = self.store.read(layer, plan.batch_table)  # [B*max_p, Hkv, ps, D]
+        bsz, hkv, d = q.shape[0], kp.shape[1], kp.shape[3]
         kk = kp.view(bsz, max_p, hkv, ps, d).permute(0, 2, 1, 3, 4).reshape(bsz, hkv, max_p * ps, d)
         vv = vp.view(bsz, max_p, hkv, ps, d).permute(0, 2, 1, 3, 4).reshape(bsz, hkv, max_p * ps, d)
-        lens = torch.tensor(meta.seq_lens, device=q.device)
-        mask = torch.arange(max_p * ps, device=q.device)[None, :] < lens[:, None]  # [B, L]
         qq = q.unsqueeze(2).to(kk.dtype)  # [B, Hq, 1, D]
         if q.is_cuda:
-            o = F.scaled_dot_product_attention(qq, kk, vv, attn_mask=mask[:, None, None, :],
+            o = F.scaled_dot_product_attention(qq, kk, vv, attn_mask=plan.batch_mask,
                                                scale=self.scale, enable_gqa=q.shape[1] != hkv)
         else:
-            o = decode_attend_cpu(qq, kk, vv, self.scale, mask[:, None, None, :])
+            o = decode_attend_cpu(qq, kk, vv, self.scale, plan.batch_mask)
         return o.squeeze(2).to(q.dtype)
+
+
+@dataclass
+class _StepPlan:
+    """DensePagedAttention's per-step view of the page tables (AttentionMetadata.step_cache)."""
+
+    tables: list[list[int]]  # [B] the pages each sequence reads this step
+    streamed: list[int]  # [B] how many of them (the head) are in the host tier
+    pages: list[torch.Tensor | None] = field(default_factory=list)  # [B] device page ids (None: streamed)
+    batch_table: torch.Tensor | None = None  # all-decode steps: [B * max_pages] padded page ids
+    batch_mask: torch.Tensor | None = None  # [B, 1, 1, max_pages * page_size] key validity
+    max_pages: int = 0
 
 
 def attend_one(q: torch.Tensor, kp: torch.Tensor, vp: torch.Tensor, ctx: int, n_new: int,
