@@ -21,8 +21,9 @@ from kvtier.kv.formats import KVFormat
 SPREAD_FLOOR = 0.1
 # ... and at least this (fp16-safe; all-equal first rows give a uniform scale).
 MIN_CHANNEL_SCALE = 1e-2
-# channel_scale = spread ** SPREAD_POWER: 1 equalises the channels fully, 0 turns the scaling off.
-SPREAD_POWER = 1.0
+# channel_scale = spread ** SPREAD_POWER: 1 equalises the channels fully, 0 turns the scaling off;
+# 0.5 measured best across SmolLM2 and Qwen2.5 (int4 KL 0.041 / 0.037 vs 0.062 / 0.048 at 1.0).
+SPREAD_POWER = 0.5
 
 
 class PagePool:
