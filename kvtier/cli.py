@@ -72,11 +72,12 @@ def cmd_serve(a: argparse.Namespace) -> int:
     engine = build_engine(a.model, config, console=console)
     scfg = ServerConfig(**{**scfg.__dict__, "model_name": a.served_name or engine.model_name})
     url = f"http://{a.host}:{a.port}"
-    console.print(f"[bold]kvtier[/] serving [cyan]{scfg.model_name}[/] at {url}  (chat page: {url}/)")
+    console.print(f"[bold]kvtier[/] serving [cyan]{scfg.model_name}[/] at {url}  (chat page: {url}/)",
+                  soft_wrap=True)
     auth = f" -H 'Authorization: Bearer {key}'" if key else ""
     console.print(f"try: curl {url}/v1/chat/completions -H 'Content-Type: application/json'{auth} "
                   f"-d '{{\"model\":\"{scfg.model_name}\",\"messages\":[{{\"role\":\"user\","
-                  f"\"content\":\"Hello!\"}}],\"max_tokens\":64}}'")
+                  f"\"content\":\"Hello!\"}}],\"max_tokens\":64}}'", soft_wrap=True, highlight=False)
     serve(AsyncEngine(engine), scfg)
     return 0
 
