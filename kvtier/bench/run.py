@@ -178,21 +178,31 @@ def bench_hf_model(model, ids: list[int], gen: int, device: torch.device, bandwi
                   (n - 1) / max(total - ttft, 1e-9), wbytes, bandwidth)
 
 
-def bench_llama_cpp(path: Path, ids: list[int], gen: int, threads: int, bandwidth: float) -> Result | None:
-    try:
-        from llama_cpp import Llama
-    except ImportError:
+def bench_llama_cpp(path: Path, ids: list[int], gen: int, threads: int, bandwidth: float,
+                    console: Console) -> Result | None:
+    """llama.cpp on the same GGUF and token ids, in a child process (kvtier/bench/llamacpp.py)."""
+    import importlib.util
+    import json
+    import subprocess
+    import sys
+
+    if importlib.util.find_spec("llama_cpp") is None:
+        console.print("[yellow]llama-cpp-python is not installed; skipped[/]")
         return None
-    llm = Llama(model_path=str(path), n_ctx=len(ids) + gen + 16, n_threads=threads, verbose=False)
-    t0 = time.perf_counter()
-    llm.eval(ids)
-    ttft = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    for _ in range(gen):
-        tok = llm.sample(temp=0.0)
-        llm.eval([tok])
-    dt = time.perf_counter() - t0
-    return Result("llama.cpp", len(ids), gen, ttft, len(ids) / ttft, gen / dt, path.stat().st_size, bandwidth)
+    job = json.dumps({"path": str(path), "ids": ids, "gen": gen, "threads": threads})
+    proc = subprocess.run([sys.executable, "-m", "kvtier.bench.llamacpp"], input=job, capture_output=True,
+                          text=True, timeout=LLAMA_CPP_TIMEOUT_S)
+    if proc.returncode != 0:
+        tail = (proc.stderr.strip().splitlines() or [""])[-1]
+        console.print(f"[yellow]llama.cpp run failed (exit {proc.returncode}) {tail}; skipped[/]")
+        return None
+    r = json.loads(proc.stdout)
+    return Result("llama.cpp", len(ids), gen, r["ttft_s"], len(ids) / r["ttft_s"], gen / r["decode_s"],
+                  path.stat().st_size, bandwidth)
+
+
+# A llama.cpp child that runs longer than this is killed.
+LLAMA_CPP_TIMEOUT_S = 600
 
 
 def _build(a: argparse.Namespace):
@@ -242,10 +252,8 @@ def run_bench(a: argparse.Namespace) -> int:
         else:
             results.append(bench_hf_model(ref, ids, a.gen_tokens, engine.device, bw))
     if a.llama_cpp and isinstance(ref, Path) and ref.suffix == ".gguf":
-        r = bench_llama_cpp(ref, ids, a.gen_tokens, torch.get_num_threads(), bw)
-        if r is None:
-            console.print("[yellow]llama-cpp-python is not installed; skipped[/]")
-        else:
+        r = bench_llama_cpp(ref, ids, a.gen_tokens, torch.get_num_threads(), bw, console)
+        if r is not None:
             results.append(r)
     _report(console, engine, results, bw, a.out)
     return 0
