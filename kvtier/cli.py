@@ -151,7 +151,7 @@ def cmd_chat(a: argparse.Namespace) -> int:
         print()
         st = engine.stats()["cache"]
         console.print(f"[dim]{n} tokens, {max(n - 1, 0) / max(dt - ttft, 1e-9):.1f} tok/s, "
-                      f"TTFT {ttft * 1000:.0f} ms, prefix-cache hit tokens {st.get('hit_tokens', 0)}[/]")
+                      f"TTFT {ttft * 1000:.0f} ms, prompt tokens from the prefix cache so far {st.get('cached_tokens', 0)}[/]")
         history.append({"role": "assistant", "content": buf.getvalue()})
     return 0
 

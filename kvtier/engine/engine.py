@@ -25,6 +25,7 @@ from kvtier.engine.sampler import sample
 from kvtier.engine.scheduler import Scheduler, Sequence
 from kvtier.engine.stops import StopChecker
 from kvtier.kv.formats import make_format
+from kvtier.kv.stats import cache_stats
 from kvtier.kv.manager import CacheManager
 from kvtier.kv.pool import PagePool
 from kvtier.layers.attention import DensePagedAttention
@@ -91,7 +92,7 @@ class Engine:
                                     enable_prefix=cc.enable_prefix_cache,
                                     namespace=f"{model_name}|{fmt.name}")
         self.scheduler = Scheduler(self.manager, config.max_batch, config.prefill_chunk)
-        backend = DensePagedAttention(self.pool, scale=spec.head_dim ** -0.5)
+        backend = DensePagedAttention(self.pool, scale=spec.head_dim ** -0.5, host_store=self.host_pool)
         self.runner = ModelRunner(model, self.pool, backend, self.device, self.host_pool)
         self._seqs: dict[str, Sequence] = {}
         self._outs: dict[str, _SeqOut] = {}
@@ -220,7 +221,7 @@ class Engine:
                 "steps": self.steps, "preemptions": self.scheduler.preemptions,
                 "kv_format": self.kv_format, "gpu_pages": self.pool.num_pages,
                 "host_pages": self.host_pool.num_pages if self.host_pool else 0,
-                "cache": self.manager.stats()}
+                "cache": cache_stats(self.manager, self.pool, self.host_pool)}
 
     # ---- convenience ----------------------------------------------------
     def generate_sync(self, requests: list[Request]) -> dict[str, list[Output]]:

@@ -292,3 +292,24 @@ def test_progress_in_sse_comments_and_server_log(real_server):
     log = real_server.output()
     assert re.search(r"reading the prompt: [\d,]+ of [\d,]+ tokens \([\d,]+ cached\), \d+ s so far", log), log[-2000:]
     assert re.search(r"answering: [\d,]+ of max 24 tokens, [\d.]+ tok/s, \d+ s", log), log[-2000:]
+
+
+def test_metrics_expose_kv_cache_figures(oai, real_server):
+    """/metrics carries the engine's KV figures (pages per tier, prompt/cached/computed tokens, swap)."""
+    import re
+
+    import httpx
+
+    oai.chat.completions.create(model=MODEL, messages=user("Say hi."), max_tokens=4, temperature=0)
+    text = httpx.get(real_server.url + "/metrics", headers={"Authorization": f"Bearer {API_KEY}"}).text
+
+    def value(name: str) -> float:
+        m = re.search(rf"^{name} ([0-9.e+-]+)$", text, re.M)
+        assert m, f"{name} missing from /metrics"
+        return float(m.group(1))
+
+    assert value("kvtier_kv_gpu_pages_total") > 0
+    assert value("kvtier_kv_prompt_tokens") > 0
+    assert value("kvtier_kv_computed_tokens") > 0
+    assert value("kvtier_kv_gpu_pages_free") <= value("kvtier_kv_gpu_pages_total")
+    value("kvtier_kv_swap_in_bytes")
