@@ -277,7 +277,7 @@ class KVFormat:
                 return got
         out = []
         for kv, codec in (("k", self.k_codec), ("v", self.v_codec)):
-            parts = {name[len(kv):]: t[page_ids] for name, t in st.items() if name.startswith(kv)}
+            parts = {name[len(kv):]: t.index_select(0, page_ids) for name, t in st.items() if name.startswith(kv)}
             out.append(codec.decode(parts, out_dtype))
         return out[0], out[1]
 
