@@ -9,8 +9,10 @@ import httpx
 import pytest
 
 from tests.server.conftest import API_KEY
+from tests.server.sse_util import drop_stream
 
 MODEL = "smollm2-135m"
+
 HEADERS = {"Authorization": f"Bearer {API_KEY}"}
 N_DROPPED = 50
 SHORT_REQUEST_LIMIT_S = 5.0
@@ -22,11 +24,7 @@ async def _stats(c: httpx.AsyncClient) -> dict:
 
 
 async def _drop_stream(url: str, path: str, body: dict) -> None:
-    async with httpx.AsyncClient(base_url=url, headers=HEADERS, timeout=30) as c:
-        async with c.stream("POST", path, json=body) as r:
-            assert r.status_code == 200
-            async for _ in r.aiter_bytes():
-                break  # one frame, then hang up
+    await drop_stream(url, path, body, HEADERS, timeout=30)
 
 
 async def _scenario(url: str) -> tuple[float, dict, dict]:

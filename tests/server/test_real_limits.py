@@ -14,8 +14,10 @@ import openai
 import pytest
 
 from tests.server.conftest import API_KEY, REPO, free_port, real_server_process
+from tests.server.sse_util import drop_stream
 
 MODEL = "smollm2-135m"
+
 HEADERS = {"Authorization": f"Bearer {API_KEY}"}
 N_DROPPED = 50
 SHORT_REQUEST_LIMIT_S = 5.0
@@ -24,11 +26,7 @@ LONG_TOKENS = 1000  # far more than any test waits for
 
 
 async def _drop_stream(url: str, path: str, body: dict) -> None:
-    async with httpx.AsyncClient(base_url=url, headers=HEADERS, timeout=60) as c:
-        async with c.stream("POST", path, json=body) as r:
-            assert r.status_code == 200
-            async for _ in r.aiter_bytes():
-                break  # one frame, then hang up
+    await drop_stream(url, path, body, HEADERS, timeout=60)
 
 
 async def _engine_idle(c: httpx.AsyncClient) -> dict:

@@ -20,6 +20,7 @@ import openai
 import pytest
 
 from tests.server.conftest import API_KEY
+from tests.server.sse_util import check_responses_stream
 
 MODEL = "smollm2-135m"
 PAGE_SIZE = 16  # the server's KV page: prefix-cache hits are whole pages
@@ -178,11 +179,7 @@ def test_responses_create_stream_and_helper(oai):
     with oai.responses.stream(model=MODEL, input=HI, max_output_tokens=SHORT, **GREEDY) as s:
         events = list(s)
         final = s.get_final_response()
-    types = [e.type for e in events]
-    assert types[0] == "response.created" and types[-1] == "response.completed"
-    assert [e.sequence_number for e in events] == list(range(len(events)))
-    assert types.index("response.output_item.added") < types.index("response.output_text.delta")
-    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == final.output_text
+    check_responses_stream(events, final)
     assert final.output_text == r.output_text and final.id.startswith("resp_")
 
 

@@ -9,6 +9,7 @@ import openai
 import pytest
 
 from tests.server.conftest import API_KEY
+from tests.server.sse_util import check_responses_stream
 from tests.server.fakes import TRICKY_ARGS
 
 MODEL = "smollm2-135m"
@@ -108,11 +109,7 @@ def test_responses_create_and_stream(oai):
     with oai.responses.stream(model=MODEL, input="hello") as s:
         events = list(s)
         final = s.get_final_response()
-    types = [e.type for e in events]
-    assert types[0] == "response.created" and types[-1] == "response.completed"
-    assert [e.sequence_number for e in events] == list(range(len(events)))
-    assert types.index("response.output_item.added") < types.index("response.output_text.delta")
-    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == final.output_text
+    check_responses_stream(events, final)
 
 
 def test_responses_tool_calls_and_reasoning(oai):
