@@ -138,30 +138,17 @@ def load_hf(path: Path, dtype: torch.dtype):
 
 def bench_hf(path: Path, ids: list[int], gen: int, device: torch.device, dtype: torch.dtype,
              bandwidth: float) -> Result:
+    """HF transformers loading the same checkpoint itself (GGUF dequantised by transformers)."""
     model = load_hf(path, dtype).to(device).eval()
-    x = torch.tensor([ids], device=device)
-    with torch.inference_mode():
-        model.generate(x[:, :16], max_new_tokens=4, do_sample=False)
-        _sync(device)
-        t0 = time.perf_counter()
-        model(x)
-        _sync(device)
-        ttft = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        out = model.generate(x, max_new_tokens=gen, min_new_tokens=gen, do_sample=False)
-        _sync(device)
-        total = time.perf_counter() - t0
-    n = out.shape[1] - x.shape[1]
-    wbytes = sum(t.numel() * t.element_size() for t in model.parameters())
-    return Result(f"hf-transformers {DTYPE_NAMES[dtype]}", len(ids), n, ttft, len(ids) / ttft,
-                  (n - 1) / max(total - ttft, 1e-9), wbytes, bandwidth)
+    return bench_hf_model(model, ids, gen, device, bandwidth, f"hf-transformers {DTYPE_NAMES[dtype]}")
 
 
 DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 
 
-def bench_hf_model(model, ids: list[int], gen: int, device: torch.device, bandwidth: float) -> Result:
-    """HF transformers on an already-built model (the random-weight shapes)."""
+def bench_hf_model(model, ids: list[int], gen: int, device: torch.device, bandwidth: float,
+                   label: str = "hf-transformers") -> Result:
+    """HF transformers on a built model: TTFT of one forward, then greedy generate of `gen` tokens."""
     x = torch.tensor([ids], device=device)
     with torch.inference_mode():
         model.generate(x[:, :16], max_new_tokens=4, do_sample=False, pad_token_id=0)
@@ -176,8 +163,8 @@ def bench_hf_model(model, ids: list[int], gen: int, device: torch.device, bandwi
         total = time.perf_counter() - t0
     n = out.shape[1] - x.shape[1]
     wbytes = sum(t.numel() * t.element_size() for t in model.parameters())
-    return Result("hf-transformers", len(ids), n, ttft, len(ids) / ttft,
-                  (n - 1) / max(total - ttft, 1e-9), wbytes, bandwidth)
+    return Result(label, len(ids), n, ttft, len(ids) / ttft, (n - 1) / max(total - ttft, 1e-9), wbytes,
+                  bandwidth)
 
 
 def bench_llama_cpp(path: Path, ids: list[int], gen: int, threads: int, bandwidth: float,
