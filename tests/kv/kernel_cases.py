@@ -6,6 +6,7 @@ and tests/gpu/test_kv_kernels.py (CUDA, model sizes).
 
 from __future__ import annotations
 
+import zlib
 from types import ModuleType
 
 import torch
@@ -13,6 +14,8 @@ import torch
 from kvtier.kv.formats import make_format  # noqa: E402
 
 QUANT_FORMATS = ("int8", "fp8", "k8v4", "int4")
+FP8_MIN_NORMAL = 2.0 ** -6  # e4m3: smallest normal value
+FP8_SUBNORMAL_STEP = 2.0 ** -9  # e4m3: spacing of the subnormals
 
 
 def fp8_codes_match(ref: torch.Tensor, got: torch.Tensor, exact: bool) -> None:
@@ -23,8 +26,12 @@ def fp8_codes_match(ref: torch.Tensor, got: torch.Tensor, exact: bool) -> None:
         return
     a = ref[diff].view(torch.float8_e4m3fn).float()
     b = got[diff].view(torch.float8_e4m3fn).float()
-    assert torch.equal(b * 2, a) and torch.equal(torch.log2(a.abs()).round(), torch.log2(a.abs())), \
-        "fp8 codes differ beyond the interpreter's binade rounding quirk"
+    # normal range: a value rounding up to 2^n comes out as 2^(n-1); subnormals (|x| < 2^-6):
+    # the interpreter's cast may land one subnormal step (2^-9) off
+    binade = (b * 2 == a) & (torch.log2(a.abs()).round() == torch.log2(a.abs()))
+    subnormal = (a.abs() < FP8_MIN_NORMAL) & ((a - b).abs() <= FP8_SUBNORMAL_STEP)
+    assert bool((binade | subnormal).all()), \
+        f"fp8 codes differ beyond the interpreter's rounding quirks: {a.tolist()} vs {b.tolist()}"
     assert diff.float().mean() < 0.05
 
 
@@ -33,7 +40,7 @@ def check_store_load(kq: ModuleType, name: str, heads: int, page_size: int, head
     """Kernel store == reference store (codes and scales); kernel load == reference load."""
     fmt = make_format(name)
     dev = torch.device(device)
-    g = torch.Generator().manual_seed(hash(name) % 1000)
+    g = torch.Generator().manual_seed(zlib.crc32(name.encode()))  # hash() is salted per process
     slots = torch.randperm(num_pages * page_size, generator=g)[:n_rows].to(dev)
     base = torch.randn(n_rows, 3 * heads, head_dim, generator=g) * 2
     k = base[:, :heads].to(dev, dtype)  # a strided view, as sliced from a fused qkv projection
