@@ -99,12 +99,12 @@ class Linear(torch.nn.Module):
         self.qweight = torch._convert_weight_to_int4pack_for_cpu(q, 1)  # uint8 [out, in / 2]
         self.qscale, self.qgroup = sz, group
 
-    def _uses_int8(self, x: torch.Tensor) -> bool:
+    def _uses_quantized(self, x: torch.Tensor) -> bool:
         return self.qweight is not None and x.shape[0] <= INT8_GEMV_MAX_ROWS
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [T, in] -> [T, out]"""
-        if self._uses_int8(x):
+        if self._uses_quantized(x):
             if self.qgroup:
                 y = torch._weight_int4pack_mm_for_cpu(x.contiguous(), self.qweight, self.qgroup, self.qscale)
             else:
@@ -114,7 +114,7 @@ class Linear(torch.nn.Module):
 
     def add_to(self, residual: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """residual + x @ W^T (+ b) in one GEMM call. residual: [T, out], x: [T, in] -> [T, out]"""
-        if self._uses_int8(x):
+        if self._uses_quantized(x):
             return self.forward(x).add_(residual)
         out = torch.addmm(residual, x, self.weight.t())
         return out if self.bias is None else out.add_(self.bias)

@@ -13,17 +13,18 @@ import json
 from collections.abc import AsyncIterator
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 
 from kvtier.server.context import ServerContext, Ticket
 from kvtier.server.convert import (OutputFormat, ToolChoice, encode, new_id, prepare, render_prompt, text_of,
                                    thinking_kwargs, tool_def)
-from kvtier.server.errors import ANTHROPIC_ERROR_RESPONSES, ANTHROPIC_STREAMING_RESPONSES, APIError, Flavor, bad_request, sse_error_data
-from kvtier.server.generation import (Finished, Prepared, ProgressEvent, ReasoningDelta, TextDelta,
+from kvtier.server.errors import (ANTHROPIC_ERROR_RESPONSES, ANTHROPIC_STREAMING_RESPONSES, Flavor, bad_request,
+                                  internal_error_frame, sse_error_data)
+from kvtier.server.generation import (Collected, Finished, Prepared, ProgressEvent, ReasoningDelta, TextDelta,
                                       ToolCallArgsDelta, ToolCallStart, run_events)
-from kvtier.server.openai import STATUS_CLIENT_CLOSED, finished_error, progress_json, run_collected
+from kvtier.server.openai import finished_error, progress_json, respond
 from kvtier.server.protocol import CountTokensRequest, MessagesRequest, _AnthropicBase
-from kvtier.server.sse import SSEResponse, sse_comment, sse_event
+from kvtier.server.sse import sse_comment, sse_event
 
 router = APIRouter()
 # Thinking blocks must carry a signature; ours is a fixed marker (nothing is verified on the way back).
@@ -235,22 +236,17 @@ async def messages_stream(ctx: ServerContext, prep: Prepared, body: MessagesRequ
                     yield f
 
 
-def _anthropic_error_frame(e: Exception) -> str:
-    return sse_error_data(APIError(500, f"internal error: {type(e).__name__}"), Flavor.ANTHROPIC)
-
-
 @router.post("/v1/messages", tags=["anthropic"], responses=ANTHROPIC_STREAMING_RESPONSES)
 async def create_message(body: MessagesRequest, request: Request) -> Response:
     ctx: ServerContext = request.app.state.ctx
     ctx.check_model(body.model)
     prep = messages_to_prepared(ctx, body)
-    ticket = ctx.admission.admit(Flavor.ANTHROPIC)
-    if body.stream:
-        return SSEResponse(messages_stream(ctx, prep, body, ticket), on_close=ticket.release,
-                           on_error=_anthropic_error_frame)
-    res = await run_collected(ctx, prep, ticket, request)
-    if res is None:
-        return Response(status_code=STATUS_CLIENT_CLOSED)
+    return await respond(ctx, request, prep, Flavor.ANTHROPIC, bool(body.stream),
+                         lambda ticket: messages_stream(ctx, prep, body, ticket), internal_error_frame(Flavor.ANTHROPIC),
+                         lambda res: message_body(prep, body, res))
+
+
+def message_body(prep: Prepared, body: MessagesRequest, res: Collected) -> dict:
     content: list[dict] = []
     if res.reasoning:
         content.append({"type": "thinking", "thinking": res.reasoning, "signature": THINKING_SIGNATURE})
@@ -259,9 +255,9 @@ async def create_message(body: MessagesRequest, request: Request) -> Response:
     content += [{"type": "tool_use", "id": _tool_id(c.id), "name": c.name, "input": tool_input(c.arguments)}
                 for c in res.tool_calls]
     reason, seq = stop_reason(res.finished, body)
-    return JSONResponse({"id": prep.request.request_id, "type": "message", "role": "assistant",
-                         "model": body.model, "content": content, "stop_reason": reason,
-                         "stop_sequence": seq, "usage": usage_json(res.finished.usage)})
+    return {"id": prep.request.request_id, "type": "message", "role": "assistant", "model": body.model,
+            "content": content, "stop_reason": reason, "stop_sequence": seq,
+            "usage": usage_json(res.finished.usage)}
 
 
 @router.post("/v1/messages/count_tokens", tags=["anthropic"], responses=ANTHROPIC_ERROR_RESPONSES)

@@ -138,6 +138,14 @@ def sse_error_data(err: APIError, flavor: Flavor) -> str:
     return f"data: {body}\n\n"
 
 
+def internal_error_frame(flavor: Flavor):
+    """SSEResponse's on_error for `flavor`: an unexpected exception mid-stream becomes that API's
+    error frame naming only the exception type (no traceback reaches the client)."""
+    def frame(e: Exception) -> str:
+        return sse_error_data(APIError(500, f"internal error: {type(e).__name__}"), flavor)
+    return frame
+
+
 def validation_message(errors: list[dict]) -> tuple[str, str | None]:
     """Turn pydantic's error list into one readable line plus the offending param."""
     parts = []

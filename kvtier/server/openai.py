@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
@@ -20,8 +20,9 @@ from fastapi.responses import JSONResponse, Response
 from kvtier.server.context import ServerContext, Ticket
 from kvtier.server.convert import (OutputFormat, ToolChoice, new_id, prepare, prepare_raw, stop_list,
                                    text_of, thinking_kwargs, tool_def)
-from kvtier.server.errors import OPENAI_ERROR_RESPONSES, OPENAI_STREAMING_RESPONSES, APIError, Flavor, bad_request, overflow_error_from, sse_error_data
-from kvtier.server.generation import (Finished, Prepared, ProgressEvent, ReasoningDelta, TextDelta,
+from kvtier.server.errors import (OPENAI_ERROR_RESPONSES, OPENAI_STREAMING_RESPONSES, APIError, Flavor, bad_request,
+                                  internal_error_frame, overflow_error_from, sse_error_data)
+from kvtier.server.generation import (Collected, Finished, Prepared, ProgressEvent, ReasoningDelta, TextDelta,
                                       ToolCallArgsDelta, ToolCallStart, collect, run_events,
                                       until_disconnect)
 from kvtier.server.protocol import ChatCompletionRequest, CompletionRequest
@@ -205,8 +206,18 @@ async def run_collected(ctx: ServerContext, prep: Prepared, ticket: Ticket, requ
     return res
 
 
-def openai_error_frame(e: Exception) -> str:
-    return sse_error_data(APIError(500, f"internal error: {type(e).__name__}"), Flavor.OPENAI)
+async def respond(ctx: ServerContext, request: Request, prep: Prepared, flavor: Flavor, stream: bool,
+                  make_stream: Callable[[Ticket], AsyncIterator[str]], on_error: Callable[[Exception], str],
+                  make_body: Callable[[Collected], dict]) -> Response:
+    """Every generating endpoint: take an admission ticket, then stream SSE frames or run to the
+    end and return one JSON body (499 if the client left first)."""
+    ticket = ctx.admission.admit(flavor)
+    if stream:
+        return SSEResponse(make_stream(ticket), on_close=ticket.release, on_error=on_error)
+    res = await run_collected(ctx, prep, ticket, request)
+    if res is None:
+        return Response(status_code=STATUS_CLIENT_CLOSED)
+    return JSONResponse(make_body(res))
 
 
 @router.post("/v1/chat/completions", tags=["openai"], responses=OPENAI_STREAMING_RESPONSES)
@@ -214,14 +225,9 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
     ctx: ServerContext = request.app.state.ctx
     ctx.check_model(body.model)
     prep = chat_to_prepared(ctx, body)
-    ticket = ctx.admission.admit(Flavor.OPENAI)
-    if body.stream:
-        return SSEResponse(chat_stream(ctx, prep, body, ticket), on_close=ticket.release,
-                           on_error=openai_error_frame)
-    res = await run_collected(ctx, prep, ticket, request)
-    if res is None:
-        return Response(status_code=STATUS_CLIENT_CLOSED)
-    return JSONResponse(chat_body(prep, body, res))
+    return await respond(ctx, request, prep, Flavor.OPENAI, bool(body.stream),
+                         lambda ticket: chat_stream(ctx, prep, body, ticket), internal_error_frame(Flavor.OPENAI),
+                         lambda res: chat_body(prep, body, res))
 
 
 # ---- completions ---------------------------------------------------------------
@@ -263,20 +269,19 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
     ctx: ServerContext = request.app.state.ctx
     ctx.check_model(body.model)
     prep = completion_to_prepared(ctx, body)
-    ticket = ctx.admission.admit(Flavor.OPENAI)
-    if body.stream:
-        return SSEResponse(completion_stream(ctx, prep, body, ticket), on_close=ticket.release,
-                           on_error=openai_error_frame)
-    res = await run_collected(ctx, prep, ticket, request)
-    if res is None:
-        return Response(status_code=STATUS_CLIENT_CLOSED)
+    return await respond(ctx, request, prep, Flavor.OPENAI, bool(body.stream),
+                         lambda ticket: completion_stream(ctx, prep, body, ticket), internal_error_frame(Flavor.OPENAI),
+                         lambda res: completion_body(ctx, prep, body, res))
+
+
+def completion_body(ctx: ServerContext, prep: Prepared, body: CompletionRequest, res: Collected) -> dict:
     text = (ctx.tokenizer.decode(prep.request.prompt_token_ids) if body.echo else "") + res.content
-    return JSONResponse({
+    return {
         "id": prep.request.request_id, "object": "text_completion", "created": int(time.time()),
         "model": body.model, "system_fingerprint": None,
         "choices": [{"index": 0, "text": text, "logprobs": None,
                      "finish_reason": FINISH_MAP.get(res.finished.finish_reason, "stop")}],
-        "usage": usage_json(res.finished.usage)})
+        "usage": usage_json(res.finished.usage)}
 
 
 # ---- models --------------------------------------------------------------------

@@ -15,14 +15,14 @@ import time
 from collections.abc import AsyncIterator
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 
 from kvtier.server.context import ServerContext, Ticket
 from kvtier.server.convert import OutputFormat, ToolChoice, new_id, prepare, text_of, thinking_kwargs, tool_def
-from kvtier.server.errors import OPENAI_ERROR_RESPONSES, OPENAI_STREAMING_RESPONSES, APIError, Flavor, bad_request
-from kvtier.server.generation import (Finished, Prepared, ProgressEvent, ReasoningDelta, TextDelta,
+from kvtier.server.errors import OPENAI_STREAMING_RESPONSES, APIError, Flavor, bad_request
+from kvtier.server.generation import (Collected, Finished, Prepared, ProgressEvent, ReasoningDelta, TextDelta,
                                       ToolCallArgsDelta, ToolCallStart, run_events)
-from kvtier.server.openai import STATUS_CLIENT_CLOSED, finished_error, progress_json, run_collected
+from kvtier.server.openai import finished_error, progress_json, respond
 from kvtier.server.protocol import ResponsesRequest
 from kvtier.server.sse import SSEResponse, sse_comment, sse_event
 
@@ -315,14 +315,13 @@ async def create_response(body: ResponsesRequest, request: Request) -> Response:
         if body.stream and e.code == "context_length_exceeded":
             return _overflow_stream(ctx, body, e)
         raise
-    ticket = ctx.admission.admit(Flavor.OPENAI)
     rid = prep.request.request_id
-    if body.stream:
-        return SSEResponse(responses_stream(ctx, prep, body, ticket, rid), on_close=ticket.release,
-                           on_error=_error_frame)
-    res = await run_collected(ctx, prep, ticket, request)
-    if res is None:
-        return Response(status_code=STATUS_CLIENT_CLOSED)
+    return await respond(ctx, request, prep, Flavor.OPENAI, bool(body.stream),
+                         lambda ticket: responses_stream(ctx, prep, body, ticket, rid), _error_frame,
+                         lambda res: response_body(rid, body, res))
+
+
+def response_body(rid: str, body: ResponsesRequest, res: Collected) -> dict:
     output = []
     if res.reasoning:
         output.append(reasoning_item(new_id("rs_"), res.reasoning))
@@ -330,5 +329,4 @@ async def create_response(body: ResponsesRequest, request: Request) -> Response:
         output.append(message_item(new_id("msg_"), res.content))
     output += [call_item(new_id("fc_"), c.id, c.name, c.arguments) for c in res.tool_calls]
     fin = res.finished
-    return JSONResponse(response_json(rid, body, int(time.time()), _status(fin), output,
-                                      usage=usage_json(fin.usage)))
+    return response_json(rid, body, int(time.time()), _status(fin), output, usage=usage_json(fin.usage))
