@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
-# One device call: GPU tests + benchmarks, everything logged under $OUT.
-# Wheels (.whl from ../shared/tools/device-wheels.sh) go to /tmp/site once per warm machine:
+# One device call: GPU tests and/or benchmarks, everything logged under $OUT.
+# Wheels (.whl from ../shared/tools/device-wheels.sh) go to /tmp/site once per warm machine.
 #   tools/device_run.sh setup      (carry [".whl"]; also stash a SmolLM2 piece: see device-split.sh)
-#   tools/device_run.sh            (tests + benches; uses /tmp/SmolLM2-135M-Instruct.Q4_1.gguf if there)
+#   tools/device_run.sh tests      GPU tests (uses /tmp/SmolLM2-135M-Instruct.Q4_1.gguf if there) + swap bench
+#   tools/device_run.sh bench      decode/prefill benches (bf16, int8, k8v4 KV) + 80K prefix TTFT
+#   tools/device_run.sh            both
 set -u
 export PYTHONUNBUFFERED=1
 if [ "${1:-}" = setup ] || [ ! -d /tmp/site ]; then
@@ -15,8 +17,16 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 nvidia-smi -L | tee "$OUT/gpu.txt"
 B="$OUT/bench.md"
 run() { echo "+ $*" | tee -a "$B"; timeout "${T:-240}" "$@" 2>&1 | tee -a "$OUT/log.txt" | tail -25; }
-T=200 run python3 -m pytest -q -p no:cacheprovider -x -rs tests/gpu
-T=150 run python3 -m kvtier.cli bench --shape qwen3-8b --prompt-tokens 512 --gen-tokens 64 --out "$B"
-T=90 run python3 -m kvtier.cli bench --shape qwen3-8b --prompt-tokens 512 --gen-tokens 64 --kv-dtype int8 --no-hf --out "$B"
-T=150 run python3 -m kvtier.cli bench --shape qwen3-8b --cached-tokens 81920 --new-tokens 50 --prefill-chunk 8192 --gpu-kv-mib 20000 --no-hf --out "$B"
-T=60 run python3 -m kvtier.cli bench --swap-pages 2048 --out "$B"
+what=${1:-all}
+if [ "$what" = tests ] || [ "$what" = all ]; then
+  T=240 run python3 -m pytest -q -p no:cacheprovider -x -rs tests/gpu
+  T=60 run python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_page_copy.py -k print
+  T=60 run python3 -m kvtier.cli bench --swap-pages 2048 --out "$B"
+fi
+if [ "$what" = bench ] || [ "$what" = all ]; then
+  T=150 run python3 -m kvtier.cli bench --shape qwen3-8b --prompt-tokens 512 --gen-tokens 64 --out "$B"
+  for f in int8 k8v4; do
+    T=90 run python3 -m kvtier.cli bench --shape qwen3-8b --prompt-tokens 512 --gen-tokens 64 --kv-dtype $f --no-hf --out "$B"
+  done
+  T=150 run python3 -m kvtier.cli bench --shape qwen3-8b --cached-tokens 81920 --new-tokens 50 --prefill-chunk 8192 --gpu-kv-mib 20000 --no-hf --out "$B"
+fi

@@ -11,6 +11,7 @@ format-agnostic: gather -> copy -> scatter per tensor.
 from __future__ import annotations
 
 import time
+from collections import OrderedDict
 from collections.abc import Sequence
 
 import torch
@@ -24,6 +25,9 @@ MIN_CHANNEL_SCALE = 1e-2
 # channel_scale = spread ** SPREAD_POWER: 1 equalises the channels fully, 0 turns the scaling off;
 # 0.5 measured best across SmolLM2 and Qwen2.5 (int4 KL 0.041 / 0.037 vs 0.062 / 0.048 at 1.0).
 SPREAD_POWER = 0.5
+# Sink rows (quantized formats): one exact row slot per this many pages (at least MIN_SINK_SLOTS).
+SINK_SLOT_RATIO = 16
+MIN_SINK_SLOTS = 16
 
 
 class PagePool:
@@ -53,14 +57,33 @@ class PagePool:
         # K is stored as (k - k_shift) / k_channel_scale, both [kv_heads, head_dim].
         self.k_shift: list[torch.Tensor | None] = [None] * num_layers
         self.k_channel_scale: list[torch.Tensor | None] = [None] * num_layers
+        # Sink rows (quantized formats only): the K/V row at sequence position 0 (offset 0 of a
+        # sequence's first page) draws much of every layer's attention, and its quantization error
+        # dominated the measured KL (fp8 3.4e-3 -> 2.5e-3 with it exact; docs/benchmarks.md). It is
+        # stored quantized in its page as usual and, in `sink_slots` slots, exactly (compute dtype,
+        # K minus the shift, unscaled); readers pass which pages begin a sequence and get that row
+        # from the slot. A slot follows its page through copy_to; when all are taken the oldest
+        # assignment is reused (that page falls back to its quantized row 0: approximate, not wrong).
+        self.sink_slots = max(MIN_SINK_SLOTS, -(-num_pages // SINK_SLOT_RATIO)) if fmt.quantized else 0
+        sink_pin = pin and self.device.type == "cpu" and torch.cuda.is_available()
+        shape = (num_layers, self.sink_slots, kv_heads, head_dim)
+        self.sink_k = torch.zeros(shape, dtype=compute_dtype, device=self.device, pin_memory=sink_pin)
+        self.sink_v = torch.zeros(shape, dtype=compute_dtype, device=self.device, pin_memory=sink_pin)
+        self.sink_slot = torch.full((num_pages,), -1, dtype=torch.long, device=self.device)  # page -> slot
+        self._sink_of_page: OrderedDict[int, int] = OrderedDict()  # host mirror, oldest assignment first
+        self._sink_free = list(range(self.sink_slots - 1, -1, -1))
         self._copy_stream: torch.cuda.Stream | None = None
         # Page-copy accounting, this pool as the source (GPU pool: swap-out; host pool: swap-in).
         self.copy_bytes = 0
         self.copy_seconds = 0.0
         self._pending: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []  # CUDA-timed copies
 
-    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+              sink: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
         """slots: [T] int64 (page * page_size + offset); k, v: [T, kv_heads, head_dim].
+
+        sink: (rows, sink slots) from `assign_sinks`: rows of k/v at sequence position 0, also
+        kept exactly in those slots.
 
         With a smoothing format, K is stored as (k - shift) / channel_scale: shift
         is the per-channel median of the layer's first write, channel_scale the
@@ -73,8 +96,74 @@ class PagePool:
             kf = k.to(torch.promote_types(k.dtype, torch.float32))
             if self.k_shift[layer] is None:
                 self._calibrate(layer, kf)
-            k = (kf - self.k_shift[layer].to(kf.dtype)) / self.k_channel_scale[layer].to(kf.dtype)
+            k = kf - self.k_shift[layer].to(kf.dtype)
+        if self.k_channel_scale[layer] is not None:
+            k = k / self.k_channel_scale[layer].to(k.dtype)
+        if sink is not None and self.sink_slots:  # kept in the stored (rotated) domain, unquantized
+            rows, sslots = sink
+            ks, vs = k.index_select(0, rows), v.index_select(0, rows)
+            ks = self.fmt._rotate(ks) if self.fmt.rotate_k else ks
+            vs = self.fmt._rotate(vs) if self.fmt.rotate_v else vs
+            self.sink_k[layer].index_copy_(0, sslots, ks.to(self.compute_dtype))
+            self.sink_v[layer].index_copy_(0, sslots, vs.to(self.compute_dtype))
         self.fmt.store(self.layers[layer], slots, k, v)
+
+    def assign_sinks(self, pages: Sequence[int]) -> torch.Tensor | None:
+        """Sink slots for pages whose row 0 is about to be written at sequence position 0.
+
+        -> [n] int64 slots on this device (None for formats without sink rows). A page keeps
+        its slot; else a free one, else the oldest assignment's (that page loses its sink row).
+        """
+        if not self.sink_slots or not pages:
+            return None
+        out, changed = [], {}
+        for p in pages:
+            s = self._sink_of_page.pop(p, None)
+            if s is None:
+                if self._sink_free:
+                    s = self._sink_free.pop()
+                else:
+                    old, s = self._sink_of_page.popitem(last=False)
+                    changed[old] = -1
+            self._sink_of_page[p] = s  # (re)inserted last: the newest assignment
+            changed[p] = s
+            out.append(s)
+        self._set_sink_slots(changed)
+        return torch.tensor(out, dtype=torch.long).to(self.device, non_blocking=True)
+
+    def clear_sinks(self, pages: Sequence[int]) -> None:
+        """Pages whose row 0 is no longer a position-0 row kept exactly (copy_to targets)."""
+        changed = {}
+        for p in pages:
+            s = self._sink_of_page.pop(p, None)
+            if s is not None:
+                self._sink_free.append(s)
+                changed[p] = -1
+        self._set_sink_slots(changed)
+
+    def _set_sink_slots(self, changed: dict[int, int]) -> None:
+        if changed:
+            pages = torch.tensor(list(changed), dtype=torch.long)
+            slots = torch.tensor(list(changed.values()), dtype=torch.long)
+            self.sink_slot.index_copy_(0, pages.to(self.device), slots.to(self.device))
+
+    def _apply_sinks(self, pool: PagePool, layer: int, k: torch.Tensor, v: torch.Tensor,
+                     page_ids: torch.Tensor, starts: torch.Tensor | None) -> None:
+        """Row 0 of the pages at `starts` (indices into page_ids) <- `pool`'s exact sink rows.
+
+        k, v: decoded [P, H, S, D] on this device; page_ids are `pool`'s page ids.
+        """
+        if starts is None or not pool.sink_slots or starts.numel() == 0:
+            return
+        sel = page_ids.index_select(0, starts.to(page_ids.device))
+        sidx = pool.sink_slot.index_select(0, sel.to(pool.device))  # [n], -1: no sink row
+        ok = (sidx >= 0).to(self.device, non_blocking=True)[:, None, None]
+        sidx = sidx.clamp_min(0)
+        sk = pool.sink_k[layer].index_select(0, sidx).to(self.device, non_blocking=True)
+        sv = pool.sink_v[layer].index_select(0, sidx).to(self.device, non_blocking=True)
+        st = starts.to(self.device)
+        k[st, :, 0] = torch.where(ok, sk.to(k.dtype), k[st, :, 0])
+        v[st, :, 0] = torch.where(ok, sv.to(v.dtype), v[st, :, 0])
 
     def _calibrate(self, layer: int, k: torch.Tensor) -> None:
         """K smoothing constants of one layer from its first K rows k: [T, H, D].
@@ -89,41 +178,91 @@ class PagePool:
         self.k_shift[layer] = shift.to(self.compute_dtype)
         self.k_channel_scale[layer] = torch.maximum(spread, floor).pow(SPREAD_POWER).to(self.compute_dtype)
 
-    def read(self, layer: int, page_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    @property
+    def rotated(self) -> bool:
+        """Whether pages hold K/V in a transformed domain that attention can work in directly."""
+        return self.fmt.rotate_k or self.fmt.rotate_v
+
+    def read(self, layer: int, page_ids: torch.Tensor, starts: torch.Tensor | None = None,
+             native: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """page_ids: [P] -> k, v: [P, kv_heads, page_size, head_dim] in compute_dtype.
 
-        K comes back minus `k_shift[layer]` (smoothing formats).
+        K comes back minus `k_shift[layer]` (smoothing formats). starts: indices into
+        page_ids of pages that begin a sequence: their row 0 comes from the sink slots.
+        native: K and V as stored, i.e. R((k - shift) / channel_scale) and R v (rotating
+        formats), for attention that moves q and its output instead (`native_q`,
+        `native_out`): one small matmul per query row instead of one per cached row.
         """
-        return self._decode(layer, self.layers[layer], page_ids)
+        return self._decode(self, layer, self.layers[layer], page_ids, page_ids, starts, native)
 
-    def read_from(self, src: PagePool, layer: int, page_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def read_from(self, src: PagePool, layer: int, page_ids: torch.Tensor, starts: torch.Tensor | None = None,
+                  native: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """Pages of `src` (a lower tier holding copies of this pool's pages), decoded here.
 
         page_ids: [P] page ids of `src` -> k, v: [P, kv_heads, page_size, head_dim] on this
         pool's device: the stored codes are gathered, moved (quantized bytes cross the bus,
         not decoded values) and decoded with this pool's K smoothing, which wrote them.
+        starts / native: as for `read` (sink rows come from `src`).
         """
         if not self.compatible_with(src):
             raise ValueError("read_from a pool of different format or page geometry")
         idx = page_ids.to(src.device)
-        staged = {name: t.index_select(0, idx).to(self.device, non_blocking=True)
-                  for name, t in src.layers[layer].items()}
-        return self._decode(layer, staged, torch.arange(idx.numel(), device=self.device))
+        if src._kernel_copy(self):  # the GPU gathers the pinned host pages itself
+            from kvtier.kernels import page_copy
+            rows = torch.arange(idx.numel(), device=self.device)
+            staged = {}
+            for name, t in src.storage.items():
+                staged[name] = torch.empty((1, idx.numel(), *t.shape[2:]), dtype=t.dtype, device=self.device)
+                page_copy.copy_pages(t[layer:layer + 1], staged[name], idx, rows)
+                staged[name] = staged[name][0]
+        else:
+            staged = {name: t.index_select(0, idx).to(self.device, non_blocking=True)
+                      for name, t in src.layers[layer].items()}
+        return self._decode(src, layer, staged, torch.arange(idx.numel(), device=self.device), idx, starts, native)
 
-    def _decode(self, layer: int, st: dict[str, torch.Tensor],
-                page_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        k, v = self.fmt.load(st, page_ids, self.compute_dtype)
+    def _decode(self, pool: PagePool, layer: int, st: dict[str, torch.Tensor], rows: torch.Tensor,
+                page_ids: torch.Tensor, starts: torch.Tensor | None,
+                native: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """Pages `rows` of storage `st` (pages `page_ids` of `pool`, whose sink rows apply)."""
+        fmt = self.fmt
+        back = not native and self.rotated  # rotate back here: decode in fp32 first
+        k, v = fmt._load_codes(st, rows, torch.float32 if back else self.compute_dtype)
+        self._apply_sinks(pool, layer, k, v, page_ids, starts)
+        if native:
+            return k, v
+        if fmt.rotate_k:
+            k = fmt._rotate(k)
+        if fmt.rotate_v:
+            v = fmt._rotate(v)
         scale = self.k_channel_scale[layer]
         if scale is not None:
             k = k * scale[:, None, :]  # [P, H, S, D] * [H, 1, D]
-        return k, v
+        return k.to(self.compute_dtype), v.to(self.compute_dtype)
+
+    def native_q(self, layer: int, q: torch.Tensor) -> torch.Tensor:
+        """q: [T, Hq, D] -> R (channel_scale * q), so that native_q . native k == q . (k - shift)."""
+        scale = self.k_channel_scale[layer]
+        if scale is None and not self.fmt.rotate_k:
+            return q
+        qf = q.float()
+        if scale is not None:  # [Hkv, D]: query head h reads kv head h // (Hq / Hkv)
+            qf = (qf.unflatten(1, (self.kv_heads, -1)) * scale.float()[:, None, :]).flatten(1, 2)
+        return (self.fmt._rotate(qf) if self.fmt.rotate_k else qf).to(q.dtype)
+
+    def native_out(self, o: torch.Tensor) -> torch.Tensor:
+        """Attention output over native V -> over V (o: [..., D])."""
+        return self.fmt._rotate(o).to(o.dtype) if self.fmt.rotate_v else o
 
     def bytes_per_page(self) -> int:
         """Bytes one page takes across all layers (K, V and scales)."""
         return int(self.fmt.bytes_per_token(self.kv_heads, self.head_dim)) * self.page_size * self.num_layers
 
     def bytes_total(self) -> int:
+        """Bytes of the page storage (the sink slots are `sink_bytes`)."""
         return sum(t.numel() * t.element_size() for st in self.layers for t in st.values())
+
+    def sink_bytes(self) -> int:
+        return 2 * self.sink_k.numel() * self.sink_k.element_size()
 
     def check_integrity(self) -> None:
         """Raise ValueError if any stored tensor disagrees with the format's layout."""
@@ -142,6 +281,14 @@ class PagePool:
                     raise ValueError(f"layer {i} {name} is not the contiguous view of the pool storage")
         if self.bytes_total() != self.bytes_per_page() * self.num_pages:
             raise ValueError("bytes_total disagrees with bytes_per_page * num_pages")
+        want_slot = torch.full((self.num_pages,), -1, dtype=torch.long)
+        for page, slot in self._sink_of_page.items():
+            want_slot[page] = slot
+        slots = sorted(self._sink_of_page.values()) + self._sink_free
+        if sorted(slots) != list(range(self.sink_slots)):
+            raise ValueError("sink slots are not each either assigned to one page or free")
+        if not torch.equal(self.sink_slot.cpu(), want_slot):
+            raise ValueError("sink_slot disagrees with the sink assignments")
 
     def compatible_with(self, other: PagePool) -> bool:
         return (self.fmt.name == other.fmt.name and self.num_layers == other.num_layers
@@ -199,31 +346,73 @@ class PagePool:
 
     def _copy_layers(self, dst: PagePool, src_idx: torch.Tensor, dst_idx: torch.Tensor,
                      non_blocking: bool) -> None:
-        """Per layer and layout tensor: gather [n, H, S, ...] -> copy -> scatter.
+        """Between a GPU and pinned host memory: the page-copy kernel, one launch per layout
+        tensor for all layers, the GPU reading (or writing) the host pages directly (2,048
+        scattered 1 KiB pages: 48 GB/s against 18-20 for the staged path below).
 
-        (Per layer, not one [L, n, ...] gather of the whole storage: on the host
-        side a page-axis gather inside one contiguous layer measured ~4x faster.)
+        Otherwise per layer and layout tensor: gather [n, H, S, ...] -> copy -> scatter
+        (per layer, not one [L, n, ...] gather of the whole storage: on the host side a
+        page-axis gather inside one contiguous layer measured ~4x faster).
         """
         s_idx = src_idx.to(self.device, non_blocking=non_blocking)
         d_idx = dst_idx.to(dst.device, non_blocking=non_blocking)
         to_host = dst.device.type == "cpu" and self.device.type == "cuda"
         from_host = self.device.type == "cpu" and dst.device.type == "cuda"
-        staged_host: list[tuple[torch.Tensor, torch.Tensor]] = []
-        for src_st, dst_st in zip(self.layers, dst.layers):
-            for name, src_t in src_st.items():
-                staged = torch.empty((s_idx.numel(), *src_t.shape[1:]), dtype=src_t.dtype,
-                                     device=self.device, pin_memory=from_host)  # [n, H, S, ...]
-                torch.index_select(src_t, 0, s_idx, out=staged)
-                if to_host:  # device->host lands in pinned memory, else the copy is synchronous
-                    moved = torch.empty(staged.shape, dtype=staged.dtype, pin_memory=True)
-                    moved.copy_(staged, non_blocking=True)
-                    staged_host.append((dst_st[name], moved))
-                else:
-                    dst_st[name].index_copy_(0, d_idx, staged.to(dst.device, non_blocking=non_blocking))
+        staged_host: list[tuple[torch.Tensor, int, torch.Tensor, torch.Tensor]] = []
+
+        def move(src_t: torch.Tensor, dst_t: torch.Tensor, dim: int, si: torch.Tensor, di: torch.Tensor) -> None:
+            shape = (*src_t.shape[:dim], si.numel(), *src_t.shape[dim + 1:])
+            staged = torch.empty(shape, dtype=src_t.dtype, device=self.device, pin_memory=from_host)
+            torch.index_select(src_t, dim, si, out=staged)
+            if to_host:  # device->host lands in pinned memory, else the copy is synchronous
+                moved = torch.empty(staged.shape, dtype=staged.dtype, pin_memory=True)
+                moved.copy_(staged, non_blocking=True)
+                staged_host.append((dst_t, dim, di, moved))
+            else:
+                dst_t.index_copy_(dim, di, staged.to(dst.device, non_blocking=non_blocking))
+
+        if self._kernel_copy(dst):  # one launch per tensor for all layers, host side zero-copy
+            from kvtier.kernels import page_copy
+            for name, src_t in self.storage.items():
+                page_copy.copy_pages(src_t, dst.storage[name], s_idx, d_idx)
+        else:
+            for src_st, dst_st in zip(self.layers, dst.layers):
+                for name, src_t in src_st.items():
+                    move(src_t, dst_st[name], 0, s_idx, d_idx)  # [n, H, S, ...] per layer
+        sinks = self._sink_moves(dst, src_idx, dst_idx)
+        if sinks is not None:  # [L, n, H, D]: all layers' sink rows in one gather
+            s_slots, d_slots = sinks
+            for a, b in ((self.sink_k, dst.sink_k), (self.sink_v, dst.sink_v)):
+                move(a, b, 1, s_slots.to(self.device), d_slots)
         if to_host:  # the host scatter must wait for the device->host copies
             torch.cuda.current_stream(self.device).synchronize()
-            for t, moved in staged_host:
-                t.index_copy_(0, d_idx, moved)
+            for t, dim, di, moved in staged_host:
+                t.index_copy_(dim, di, moved)
+
+    def _kernel_copy(self, dst: PagePool) -> bool:
+        """Whether copies to `dst` go through the Triton page-copy kernel (kernels/page_copy.py):
+        a CUDA pool on one side and pinned host memory (or the same GPU) on the other."""
+        if "cuda" not in (self.device.type, dst.device.type):
+            return False
+        from kvtier.kernels import page_copy
+        return all(page_copy.available(t, dst.storage[name]) for name, t in self.storage.items())
+
+    def _sink_moves(self, dst: PagePool, src_idx: torch.Tensor,
+                    dst_idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Sink slots that follow copied pages: (source slots, destination slots), or None.
+
+        Destination pages whose source has no sink row lose theirs.
+        """
+        if not dst.sink_slots:
+            return None
+        have = [(d, self._sink_of_page[s]) for s, d in zip(src_idx.tolist(), dst_idx.tolist())
+                if s in self._sink_of_page]
+        with_sink = {d for d, _ in have}
+        dst.clear_sinks([d for d in dst_idx.tolist() if d not in with_sink])
+        if not have:
+            return None
+        d_slots = dst.assign_sinks([d for d, _ in have])
+        return torch.tensor([s for _, s in have], dtype=torch.long), d_slots
 
     def _check_copy(self, dst: PagePool, src_ids: Sequence[int] | torch.Tensor,
                     dst_ids: Sequence[int] | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

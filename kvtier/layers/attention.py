@@ -55,11 +55,19 @@ class KVStore(Protocol):
 
     page_size: int
 
-    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Store new rows. slots: [T] int64, k/v: [T, Hkv, D]."""
+    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+              sink: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+        """Store new rows. slots: [T] int64, k/v: [T, Hkv, D]; sink: (rows at position 0,
+        their sink slots from assign_sinks)."""
 
-    def read(self, layer: int, page_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Load pages. page_ids: [P] -> k, v: [P, Hkv, page_size, D] in compute dtype."""
+    def read(self, layer: int, page_ids: torch.Tensor, starts: torch.Tensor | None = None,
+             native: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """Load pages. page_ids: [P] -> k, v: [P, Hkv, page_size, D] in compute dtype.
+        starts: indices into page_ids of pages that begin a sequence (row 0 = position 0).
+        native: as stored by a rotating format (`rotated`): attend with native_q, native_out."""
+
+    def assign_sinks(self, pages: list[int]) -> torch.Tensor | None:
+        """Slots keeping exact copies of the position-0 rows about to be written into `pages`."""
 
 
 class AttentionBackend(Protocol):
@@ -71,7 +79,8 @@ class AttentionBackend(Protocol):
 class StreamingKVStore(KVStore, Protocol):
     """A compute pool that can decode pages of its lower (host) tier (kv/pool.py PagePool)."""
 
-    def read_from(self, src: object, layer: int, page_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def read_from(self, src: object, layer: int, page_ids: torch.Tensor, starts: torch.Tensor | None = None,
+                  native: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """Move pages `page_ids` of tier `src` to this device, decode -> k, v: [P, Hkv, ps, D]."""
 
 
@@ -89,10 +98,13 @@ class DensePagedAttention:
     """
 
     def __init__(self, store: KVStore | StreamingKVStore, scale: float, host_store: object | None = None,
-                 stream_pages: int = DEFAULT_STREAM_PAGES):
+                 stream_pages: int = DEFAULT_STREAM_PAGES, fold_rotation: bool = True):
         if stream_pages < 1:
             raise ValueError(f"stream_pages must be >= 1, got {stream_pages}")
         self.store = store
+        # Rotating KV formats: attend in the stored domain (q and the output are transformed,
+        # once per query row) instead of rotating every cached row back (kv/pool.py read).
+        self.native = fold_rotation and bool(getattr(store, "rotated", False))
         self.scale = scale
         self.host_store = host_store
         self.stream_pages = stream_pages
@@ -103,10 +115,16 @@ class DensePagedAttention:
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
-        self.store.write(layer, meta.slot_mapping, k, v)
         plan = meta.step_cache.get(id(self))
         if plan is None:  # first layer of this step: page tables -> device tensors, once
             plan = meta.step_cache[id(self)] = self._plan(meta, q.device, q.shape[0])
+        self.store.write(layer, meta.slot_mapping, k, v, sink=plan.sink)
+        if self.native:
+            q = self.store.native_q(layer, q)  # type: ignore[attr-defined]
+            return self.store.native_out(self._attend(layer, q, meta, plan))  # type: ignore[attr-defined]
+        return self._attend(layer, q, meta, plan)
+
+    def _attend(self, layer: int, q: torch.Tensor, meta: AttentionMetadata, plan: "_StepPlan") -> torch.Tensor:
         if plan.batch_table is not None:
             return self._decode_batch(layer, q, plan)  # every sequence brings one new token
         out = torch.empty_like(q)
@@ -117,7 +135,7 @@ class DensePagedAttention:
             if plan.streamed[b]:
                 out[lo:hi] = self._attend_streamed(layer, q[lo:hi], plan.tables[b], plan.streamed[b], ctx)
                 continue
-            kp, vp = self.store.read(layer, plan.pages[b])  # [P, Hkv, ps, D]
+            kp, vp = self.store.read(layer, plan.pages[b], plan.first, native=self.native)  # [P, Hkv, ps, D]
             out[lo:hi] = attend_one(q[lo:hi], kp, vp, ctx, n_new, self.scale)
         return out
 
@@ -127,6 +145,14 @@ class DensePagedAttention:
         # host pages (negative ids) form a table's head, so counting stops at the first resident one
         streamed = [next((i for i, p in enumerate(pt) if p >= 0), len(pt)) for pt in tables]
         plan = _StepPlan(tables, streamed)
+        # rows written at sequence position 0 (a sequence's first chunk): kept exactly as sinks
+        qsl = meta.query_start_loc
+        starts = [b for b in range(meta.num_seqs) if meta.seq_lens[b] == qsl[b + 1] - qsl[b] > 0]
+        if starts:
+            slots = self.store.assign_sinks([tables[b][0] for b in starts])
+            if slots is not None:
+                plan.sink = (torch.tensor([qsl[b] for b in starts], dtype=torch.long).to(device), slots)
+        plan.first = torch.zeros(1, dtype=torch.long, device=device)
         if n_rows == meta.num_seqs and meta.num_seqs > 1 and not any(streamed):
             max_p = max(len(pt) for pt in tables)
             table = torch.zeros(meta.num_seqs, max_p, dtype=torch.long)
@@ -136,6 +162,7 @@ class DensePagedAttention:
             plan.max_pages = max_p
             lens = torch.tensor(meta.seq_lens, device=device)
             plan.batch_mask = (torch.arange(max_p * ps, device=device)[None, :] < lens[:, None])[:, None, None, :]
+            plan.batch_first = torch.arange(meta.num_seqs, device=device) * max_p
         else:
             plan.pages = [None if n else torch.tensor(pt, dtype=torch.long).to(device, non_blocking=True)
                           for pt, n in zip(tables, streamed)]
@@ -161,10 +188,12 @@ class DensePagedAttention:
         acc: tuple[torch.Tensor, torch.Tensor] | None = None
         for i in range(0, n_host, self.stream_pages):
             chunk = host_ids[i:i + self.stream_pages]
-            kp, vp = self.store.read_from(self.host_store, layer, chunk)  # type: ignore[attr-defined]
+            first = torch.zeros(1, dtype=torch.long) if i == 0 else None  # the sequence's first page
+            kp, vp = self.store.read_from(self.host_store, layer, chunk, first,  # type: ignore[attr-defined]
+                                          native=self.native)
             acc = merge_partials(acc, attend_partial(q, kp, vp, chunk.numel() * ps, n_new, self.scale))
         pages = torch.tensor(table[n_host:], dtype=torch.long, device=q.device)
-        kp, vp = self.store.read(layer, pages)
+        kp, vp = self.store.read(layer, pages, native=self.native)
         acc = merge_partials(acc, attend_partial(q, kp, vp, ctx - base, n_new, self.scale, causal=True))
         return acc[0].to(q.dtype)
 
@@ -175,7 +204,7 @@ class DensePagedAttention:
         q: [B, Hq, D] -> [B, Hq, D]; keys beyond seq_lens[b] are masked out (plan.batch_mask).
         """
         ps, max_p = self.store.page_size, plan.max_pages
-        kp, vp = self.store.read(layer, plan.batch_table)  # [B*max_p, Hkv, ps, D]
+        kp, vp = self.store.read(layer, plan.batch_table, plan.batch_first, native=self.native)  # [B*max_p, ...]
         bsz, hkv, d = q.shape[0], kp.shape[1], kp.shape[3]
         kk = kp.view(bsz, max_p, hkv, ps, d).permute(0, 2, 1, 3, 4).reshape(bsz, hkv, max_p * ps, d)
         vv = vp.view(bsz, max_p, hkv, ps, d).permute(0, 2, 1, 3, 4).reshape(bsz, hkv, max_p * ps, d)
@@ -198,6 +227,9 @@ class _StepPlan:
     batch_table: torch.Tensor | None = None  # all-decode steps: [B * max_pages] padded page ids
     batch_mask: torch.Tensor | None = None  # [B, 1, 1, max_pages * page_size] key validity
     max_pages: int = 0
+    batch_first: torch.Tensor | None = None  # [B] index of each sequence's first page in batch_table
+    first: torch.Tensor | None = None  # [1] = 0: a sequence's own page list starts with its first page
+    sink: tuple[torch.Tensor, torch.Tensor] | None = None  # (packed rows at position 0, sink slots)
 
 
 def attend_one(q: torch.Tensor, kp: torch.Tensor, vp: torch.Tensor, ctx: int, n_new: int,

@@ -68,3 +68,34 @@ def test_copy_to_gpu_pinned_host_round_trip(name: str) -> None:
         after = gpu.read(layer, torch.tensor(src, device="cuda"))
         for x, y in zip(before[layer], after):
             assert torch.equal(x[src], y)
+
+
+@pytest.mark.parametrize("name", QUANT_FORMATS)
+def test_cuda_attention_in_rotated_domain_and_host_sinks(name: str) -> None:
+    """On CUDA (bf16): attention in the stored domain == rotating every row back; pages (and the
+    first page's sink row) copied to pinned host memory read back, via the page-copy kernel,
+    exactly as they read in the GPU pool."""
+    from kvtier.layers.attention import AttentionMetadata, DensePagedAttention
+    g = torch.Generator().manual_seed(1)
+    hq, hkv, ps, d, n = 8, 2, 16, 128, 150
+    table = [9, 3, 14, 0, 7, 11, 2, 5, 12, 6]
+    slots = torch.tensor([table[p // ps] * ps + p % ps for p in range(n)], device="cuda")
+    k, v = (torch.randn(2, n, hkv, d, generator=g) * 2 + 0.3).to("cuda", torch.bfloat16)
+    q = torch.randn(n, hq, d, generator=g).to("cuda", torch.bfloat16)
+    outs = []
+    for fold in (True, False):
+        pool = PagePool(make_format(name), 1, 16, hkv, ps, d, "cuda", compute_dtype=torch.bfloat16)
+        att = DensePagedAttention(pool, d ** -0.5, fold_rotation=fold)
+        meta = AttentionMetadata([0, n], [n], [table], slots, torch.tensor([n - 1], device="cuda"))
+        outs.append(att.forward(0, q, k, v, meta).float())
+    err = (outs[0] - outs[1]).norm() / outs[1].norm()
+    assert err < 1e-2, err
+    host = PagePool(make_format(name), 1, 40, hkv, ps, d, "cpu", compute_dtype=torch.bfloat16, pin=True)
+    pages = -(-n // ps)
+    pool.copy_to(host, table[:pages], list(range(20, 20 + pages)))
+    assert set(host._sink_of_page) == {20}
+    first = torch.tensor([0], device="cuda")
+    for native in (True, False):
+        a = pool.read(0, torch.tensor(table[:pages], device="cuda"), first, native=native)
+        b = pool.read_from(host, 0, torch.arange(20, 20 + pages), first.cpu(), native=native)
+        assert all(torch.equal(x, y) for x, y in zip(a, b))
