@@ -11,7 +11,7 @@ from rich.console import Console
 from rich.table import Table
 
 from kvtier.kv.formats import make_format
-from kvtier.kv.pool import PagePool
+from kvtier.kv.pool import PagePool, kv_bytes_per_token
 
 # Qwen3-8B KV geometry: 36 layers, 8 kv heads, head_dim 128.
 LAYERS, KV_HEADS, HEAD_DIM = 36, 8, 128
@@ -20,8 +20,9 @@ FORMATS = ("bf16", "fp8", "int8", "k8v4", "int4")
 
 def tokens_per_gib(fmt_name: str, layers: int = LAYERS, kv_heads: int = KV_HEADS,
                    head_dim: int = HEAD_DIM) -> int:
-    fmt = make_format(fmt_name)
-    return int(2**30 // (fmt.bytes_per_token(kv_heads, head_dim) * layers))
+    """KV tokens one GiB of a pool holds (pages plus their share of the sink slots, bf16 compute)."""
+    per_token = kv_bytes_per_token(make_format(fmt_name), kv_heads, head_dim, 16, torch.bfloat16)
+    return int(2**30 // (per_token * layers))
 
 
 def swap_bandwidth(fmt_name: str, pages: int, page_size: int, device: torch.device,

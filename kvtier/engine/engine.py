@@ -27,7 +27,7 @@ from kvtier.engine.stops import StopChecker
 from kvtier.kv.formats import make_format
 from kvtier.kv.stats import cache_stats
 from kvtier.kv.manager import CacheManager
-from kvtier.kv.pool import PagePool
+from kvtier.kv.pool import PagePool, kv_bytes_per_token
 from kvtier.layers.attention import DensePagedAttention
 from kvtier.models.tokenizer import IncrementalDetokenizer, Tokenizer
 
@@ -82,7 +82,8 @@ class Engine:
         host_pages = 0
         self.host_pool = None
         if cc.host_kv_mib > 0:
-            per_page = fmt.bytes_per_token(spec.num_kv_heads, spec.head_dim) * spec.num_layers * cc.page_size
+            per_page = kv_bytes_per_token(fmt, spec.num_kv_heads, spec.head_dim, cc.page_size,
+                                          compute) * spec.num_layers * cc.page_size
             host_pages = max(2, int(cc.host_kv_mib * 2**20 // per_page))
             self.host_pool = PagePool(fmt, spec.num_layers, host_pages, spec.num_kv_heads,
                                       cc.page_size, spec.head_dim, "cpu", compute_dtype=compute,
@@ -99,8 +100,9 @@ class Engine:
         self.steps = 0
 
     def _auto_pages(self, fmt, spec) -> int:
-        per_page = (fmt.bytes_per_token(spec.num_kv_heads, spec.head_dim) * spec.num_layers
-                    * self.config.cache.page_size)
+        ps = self.config.cache.page_size
+        compute = next(self.model.parameters()).dtype
+        per_page = kv_bytes_per_token(fmt, spec.num_kv_heads, spec.head_dim, ps, compute) * spec.num_layers * ps
         if self.config.cache.gpu_kv_mib:
             budget = self.config.cache.gpu_kv_mib * 2**20
         elif self.device.type == "cuda":

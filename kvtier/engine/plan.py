@@ -108,8 +108,13 @@ def make_plan(spec: ModelSpec, kv_format: str, context: int | None, gpu_limit: i
               prefill_chunk: int = DEFAULT_PREFILL_CHUNK) -> MemoryPlan:
     from kvtier.kv.formats import make_format
 
+    import torch
+
+    from kvtier.kv.pool import kv_bytes_per_token
+
     fmt = make_format(kv_format)
-    kvpt = fmt.bytes_per_token(spec.num_kv_heads, spec.head_dim) * spec.num_layers
+    compute = torch.float32 if weight_dtype == "fp32" else torch.bfloat16
+    kvpt = kv_bytes_per_token(fmt, spec.num_kv_heads, spec.head_dim, DEFAULT_PAGE_SIZE, compute) * spec.num_layers
     weights = param_count(spec) * WEIGHT_BYTES[weight_dtype]
     scratch = prefill_chunk * spec.hidden_size * ACTIVATION_FACTOR * WEIGHT_BYTES[weight_dtype]
     scratch += prefill_chunk * spec.vocab_size * 4 // 8  # logits of a few rows at most, fp32

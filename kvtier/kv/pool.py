@@ -30,6 +30,17 @@ SINK_SLOT_RATIO = 16
 MIN_SINK_SLOTS = 16
 
 
+def kv_bytes_per_token(fmt: KVFormat, kv_heads: int, head_dim: int, page_size: int,
+                       compute_dtype: torch.dtype) -> float:
+    """Bytes one token of one layer costs a pool: its page share plus its share of the sink slots
+    (one unquantized K+V row per SINK_SLOT_RATIO pages; quantized formats only)."""
+    page = fmt.bytes_per_token(kv_heads, head_dim)
+    if not fmt.quantized:
+        return page
+    row = 2 * kv_heads * head_dim * torch.empty((), dtype=compute_dtype).element_size()
+    return page + row / (SINK_SLOT_RATIO * page_size)
+
+
 class PagePool:
     """K/V page storage of all layers on one device (GPU, or pinned host memory)."""
 
@@ -159,8 +170,17 @@ class PagePool:
         sidx = pool.sink_slot.index_select(0, sel.to(pool.device))  # [n], -1: no sink row
         ok = (sidx >= 0).to(self.device, non_blocking=True)[:, None, None]
         sidx = sidx.clamp_min(0)
-        sk = pool.sink_k[layer].index_select(0, sidx).to(self.device, non_blocking=True)
-        sv = pool.sink_v[layer].index_select(0, sidx).to(self.device, non_blocking=True)
+        if pool is not self and pool._kernel_copy(self):  # pinned host rows, gathered by the GPU
+            from kvtier.kernels import page_copy
+            rows = torch.arange(sidx.numel(), device=self.device)
+            sk, sv = (torch.empty((1, sidx.numel(), *t.shape[2:]), dtype=t.dtype, device=self.device)
+                      for t in (pool.sink_k, pool.sink_v))
+            page_copy.copy_pages(pool.sink_k[layer:layer + 1], sk, sidx, rows)
+            page_copy.copy_pages(pool.sink_v[layer:layer + 1], sv, sidx, rows)
+            sk, sv = sk[0], sv[0]
+        else:
+            sk = pool.sink_k[layer].index_select(0, sidx).to(self.device, non_blocking=True)
+            sv = pool.sink_v[layer].index_select(0, sidx).to(self.device, non_blocking=True)
         st = starts.to(self.device)
         k[st, :, 0] = torch.where(ok, sk.to(k.dtype), k[st, :, 0])
         v[st, :, 0] = torch.where(ok, sv.to(v.dtype), v[st, :, 0])
@@ -303,7 +323,10 @@ class PagePool:
         one scatter; never per-page copies. `dst_ids` must be distinct. With a
         CUDA side the copies run on a dedicated stream that first waits for the
         current stream; the current stream then waits for them, so the next
-        forward sees the pages. GPU->host returns after the host pages are written.
+        forward sees the pages. Through the page-copy kernel (GPU <-> pinned host)
+        nothing waits on the host: host pages are only read by later GPU work
+        (copies, read_from), ordered by the streams; the staged GPU->host path
+        returns after its host scatter. `sync()` waits for all of them.
         """
         src_idx, dst_idx = self._check_copy(dst, src_ids, dst_ids)
         if src_idx.numel() == 0:
@@ -325,6 +348,11 @@ class PagePool:
             done.record(stream)
         torch.cuda.current_stream(cuda_dev).wait_event(done)
         self._pending.append((start, done))  # timed when done: no sync here
+
+    def sync(self) -> None:
+        """Wait until every page copy out of this pool has landed (e.g. before the CPU reads host pages)."""
+        if self._copy_stream is not None:
+            self._copy_stream.synchronize()
 
     def transfer_stats(self) -> dict[str, float]:
         """Bytes, seconds and GB/s of the page copies out of this pool (`copy_to`).
@@ -371,15 +399,18 @@ class PagePool:
             else:
                 dst_t.index_copy_(dim, di, staged.to(dst.device, non_blocking=non_blocking))
 
+        sinks = self._sink_moves(dst, src_idx, dst_idx)
         if self._kernel_copy(dst):  # one launch per tensor for all layers, host side zero-copy
             from kvtier.kernels import page_copy
             for name, src_t in self.storage.items():
                 page_copy.copy_pages(src_t, dst.storage[name], s_idx, d_idx)
-        else:
-            for src_st, dst_st in zip(self.layers, dst.layers):
-                for name, src_t in src_st.items():
-                    move(src_t, dst_st[name], 0, s_idx, d_idx)  # [n, H, S, ...] per layer
-        sinks = self._sink_moves(dst, src_idx, dst_idx)
+            if sinks is not None:  # [L, slots, H, D]: slots play the page axis
+                for a, b in ((self.sink_k, dst.sink_k), (self.sink_v, dst.sink_v)):
+                    page_copy.copy_pages(a, b, sinks[0], sinks[1])
+            return  # no host sync: the host pages are read only by later GPU work, stream-ordered
+        for src_st, dst_st in zip(self.layers, dst.layers):
+            for name, src_t in src_st.items():
+                move(src_t, dst_st[name], 0, s_idx, d_idx)  # [n, H, S, ...] per layer
         if sinks is not None:  # [L, n, H, D]: all layers' sink rows in one gather
             s_slots, d_slots = sinks
             for a, b in ((self.sink_k, dst.sink_k), (self.sink_v, dst.sink_v)):

@@ -61,7 +61,11 @@ def test_copy_to_gpu_pinned_host_round_trip(name: str) -> None:
         gpu.write(layer, slots, k, v)
     before = [gpu.read(layer, torch.arange(40, device="cuda")) for layer in range(3)]
     src, dst = list(range(0, 40, 2)), list(range(99, 79, -1))
+    codes = {name: t[:, src].cpu() for name, t in gpu.storage.items()}
     gpu.copy_to(host, src, dst)
+    gpu.sync()  # the kernel path returns without waiting; the CPU reads host pages only after sync
+    for name, t in host.storage.items():
+        assert torch.equal(t[:, dst], codes[name])
     gpu.copy_to(gpu, list(range(1, 40, 2)), src)  # overwrite the copied-out pages on the GPU
     host.copy_to(gpu, dst, src)  # and bring them back
     for layer in range(3):
