@@ -78,12 +78,28 @@ def test_prefix_hit_equals_cold(make_engine):
 
 
 def test_host_tier_forced_equals_gpu_only(make_engine, alone):
-    # 10 compute pages and a host tier: finished conversations are evicted to host and hit again
-    eng = make_engine(num_pages=10, host_kv_mib=64, max_batch=2)
-    assert run(eng, PROMPTS[:4], greedy()) == alone[:4]
-    again = run(eng, PROMPTS[:4], greedy())
-    assert again == alone[:4]
+    # 4 compute pages and a host tier: finished conversations are evicted to host and hit again
+    eng = make_engine(num_pages=4, host_kv_mib=64, max_batch=1)
+    assert run(eng, PROMPTS, greedy()) == alone
+    again = run(eng, PROMPTS, greedy())
+    assert again == alone
+    st = eng.manager.stats()
+    assert st["swaps_out"] > 0 and st["hit_tokens_host"] > 0
     eng.manager.check_integrity()
+
+
+def test_quantized_kv_host_tier_and_hits_equal_one_big_pool(make_engine):
+    # int8 KV (smoothed, rotated, position-0 sink rows): conversations evicted to the host tier and
+    # hit again read what one big GPU pool reads. Same batching in both, so both pools calibrate
+    # their K smoothing on the same first write.
+    ref = run(make_engine(kv_dtype="int8", max_batch=1), PROMPTS, greedy())
+    eng = make_engine(kv_dtype="int8", num_pages=4, host_kv_mib=64, max_batch=1)
+    assert run(eng, PROMPTS, greedy()) == ref
+    assert eng.host_pool._sink_of_page  # first pages went down with their sink rows
+    assert run(eng, PROMPTS, greedy()) == ref
+    assert eng.manager.stats()["hit_tokens_host"] > 0
+    for check in (eng.manager.check_integrity, eng.pool.check_integrity, eng.host_pool.check_integrity):
+        check()
 
 
 def test_stops_and_lengths(make_engine):
