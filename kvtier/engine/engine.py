@@ -27,6 +27,7 @@ from kvtier.engine.stops import StopChecker
 from kvtier.kv.formats import make_format
 from kvtier.kv.stats import cache_stats
 from kvtier.kv.manager import CacheManager
+from kvtier.kv.calibrate import calibrate_pool, calibration_tokens
 from kvtier.kv.pool import PagePool, kv_bytes_per_token
 from kvtier.layers.attention import DensePagedAttention
 from kvtier.models.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -89,6 +90,8 @@ class Engine:
                                       cc.page_size, spec.head_dim, "cpu", compute_dtype=compute,
                                       pin=self.device.type == "cuda")
         self.kv_format = fmt.name
+        if fmt.smooth_k:  # fixed smoothing constants before any request (kv/calibrate.py)
+            calibrate_pool(model, self.pool, calibration_tokens(tokenizer, spec.vocab_size))
         self.manager = CacheManager(num_pages, cc.page_size, num_host_pages=host_pages,
                                     enable_prefix=cc.enable_prefix_cache,
                                     namespace=f"{model_name}|{fmt.name}")

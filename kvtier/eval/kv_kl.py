@@ -9,7 +9,10 @@ positions, its 99th percentile and the top-1 agreement with the reference.
 
 Without --text-file the text is English prose from the Python Language
 Reference that ships with every CPython (`pydoc_data.topics`, code and
-grammar blocks dropped): natural text, always present, deterministic.
+grammar blocks dropped): natural text, always present, deterministic. The
+pools' K smoothing is calibrated first as the engine's is (kv/calibrate.py, on
+the first CALIBRATION_TOKENS tokens of that prose); the measured tokens are the
+ones after them.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from kvtier.kv.calibrate import CALIBRATION_TOKENS, calibrate_pool, calibration_tokens, prose_text
 from kvtier.kv.formats import FORMAT_NAMES, make_format
 from kvtier.kv.pool import PagePool
 from kvtier.layers.attention import AttentionMetadata, DensePagedAttention
@@ -43,21 +47,8 @@ class KLResult:
 
 
 def default_text() -> str:
-    """Prose paragraphs of the Python Language Reference (stdlib `pydoc_data.topics`), fixed order.
-
-    Indented blocks (code, grammar) and heading underlines are dropped, so what
-    remains is running English text.
-    """
-    from pydoc_data.topics import topics
-
-    paras: list[str] = []
-    for name in sorted(topics):
-        for para in topics[name].split("\n\n"):
-            lines = para.strip("\n").splitlines()
-            if not lines or any(ln[:1].isspace() or set(ln) <= set("*=-") for ln in lines):
-                continue
-            paras.append(" ".join(ln.strip() for ln in lines))
-    return "\n\n".join(paras)
+    """The evaluation text: the same fixed prose the engine calibrates K smoothing on."""
+    return prose_text()
 
 
 def _meta(start: int, n: int, page_size: int, device: torch.device) -> AttentionMetadata:
@@ -72,8 +63,13 @@ def _meta(start: int, n: int, page_size: int, device: torch.device) -> Attention
 
 @torch.inference_mode()
 def kv_kl(model: torch.nn.Module, tokens: list[int], formats: list[str], chunk: int = DEFAULT_CHUNK,
-          page_size: int = DEFAULT_PAGE_SIZE, reference: str = REFERENCE) -> list[KLResult]:
-    """KL of each format's next-token distributions vs `reference`, over every position of `tokens`."""
+          page_size: int = DEFAULT_PAGE_SIZE, reference: str = REFERENCE,
+          calibration: list[int] | None = None) -> list[KLResult]:
+    """KL of each format's next-token distributions vs `reference`, over every position of `tokens`.
+
+    calibration: token ids the pools' K smoothing is fixed from first, as the engine does
+    (kv/calibrate.py); None: each layer's first write.
+    """
     layers, kv_heads, head_dim = model.kv_shape
     device = next(model.parameters()).device
     dtype = next(model.parameters()).dtype
@@ -81,6 +77,9 @@ def kv_kl(model: torch.nn.Module, tokens: list[int], formats: list[str], chunk: 
     pages = -(-len(tokens) // page_size)
     pools = {f: PagePool(make_format(f), layers, pages, kv_heads, page_size, head_dim, device,
                          compute_dtype=dtype) for f in names}
+    if calibration:
+        for p in pools.values():
+            calibrate_pool(model, p, calibration)
     backends = {f: DensePagedAttention(p, scale=head_dim ** -0.5) for f, p in pools.items()}
     kls: dict[str, list[torch.Tensor]] = {f: [] for f in names}
     agree = dict.fromkeys(names, 0)
@@ -132,11 +131,14 @@ def main(argv: list[str] | None = None) -> None:
     ckpt = load_checkpoint(args.model, dtype=torch.float32)
     model = Decoder.from_tensors(ckpt.spec, ckpt.tensors, dtype=dtype, device=args.device)
     tok = Tokenizer.from_checkpoint(ckpt)
-    text = args.text_file.read_text() if args.text_file else default_text()
-    tokens = tok.encode(text)[:args.tokens]
+    calib = calibration_tokens(tok, ckpt.spec.vocab_size)
+    if args.text_file:
+        tokens = tok.encode(args.text_file.read_text())[:args.tokens]
+    else:  # held out: the prose after the engine's calibration tokens
+        tokens = tok.encode(default_text())[CALIBRATION_TOKENS:CALIBRATION_TOKENS + args.tokens]
     if len(tokens) < args.tokens:
         raise ValueError(f"text has only {len(tokens)} tokens, {args.tokens} asked for")
-    results = kv_kl(model, tokens, args.formats.split(","), chunk=args.chunk)
+    results = kv_kl(model, tokens, args.formats.split(","), chunk=args.chunk, calibration=calib)
     print(f"{ckpt.spec.name or args.model}: {len(tokens)} tokens, chunk {args.chunk}, "
           f"{args.device} {str(dtype).removeprefix('torch.')}, {math.ceil(len(tokens) / args.chunk)} chunks")
     print(format_table(results))

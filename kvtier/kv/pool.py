@@ -97,16 +97,16 @@ class PagePool:
         kept exactly in those slots.
 
         With a smoothing format, K is stored as (k - shift) / channel_scale: shift
-        is the per-channel median of the layer's first write, channel_scale the
-        per-channel spread around it (floored, see `_calibrate`); both are fixed
+        is the per-channel median of the calibration rows (`calibrate`), channel_scale the
+        per-channel spread around it (floored, see `calibrate`); both are fixed
         from then on. `read` multiplies the scale back but not the shift: every
         page of this pool (and every page copied from it) shares the shift, and
         attention over them is exact (softmax is shift-invariant per query).
         """
         if self.fmt.smooth_k and k.shape[0] > 0:
             kf = k.to(torch.promote_types(k.dtype, torch.float32))
-            if self.k_shift[layer] is None:
-                self._calibrate(layer, kf)
+            if self.k_shift[layer] is None:  # not calibrated in advance (kv/calibrate.py)
+                self.calibrate(layer, kf)
             k = kf - self.k_shift[layer].to(kf.dtype)
         if self.k_channel_scale[layer] is not None:
             k = k / self.k_channel_scale[layer].to(k.dtype)
@@ -185,13 +185,18 @@ class PagePool:
         k[st, :, 0] = torch.where(ok, sk.to(k.dtype), k[st, :, 0])
         v[st, :, 0] = torch.where(ok, sv.to(v.dtype), v[st, :, 0])
 
-    def _calibrate(self, layer: int, k: torch.Tensor) -> None:
-        """K smoothing constants of one layer from its first K rows k: [T, H, D].
+    def calibrate(self, layer: int, k: torch.Tensor) -> None:
+        """K smoothing constants of one layer from K rows k: [T, H, D], fixed from then on.
+
+        The engine calls it for every layer before serving (kv/calibrate.py: a fixed text,
+        so the codes do not depend on which request came first); a pool nobody calibrated
+        takes each layer's first write.
 
         The scale is floored at a tenth of the head's median spread (a few rows
         give noisy spreads; the floor bounds how much any channel is amplified)
         and at MIN_CHANNEL_SCALE (all-equal rows: a uniform, harmless scale).
         """
+        k = k.to(torch.promote_types(k.dtype, torch.float32))
         shift = k.median(dim=0).values  # [H, D]
         spread = (k - shift).std(dim=0, unbiased=False)  # [H, D]
         floor = (spread.median(dim=-1, keepdim=True).values * SPREAD_FLOOR).clamp_min(MIN_CHANNEL_SCALE)
