@@ -8,29 +8,16 @@ the quantized page; slots follow pages between tiers and run out gracefully.
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 
 from kvtier.kv.formats import make_format
 from kvtier.kv.pool import MIN_SINK_SLOTS, PagePool
 from kvtier.layers.attention import AttentionMetadata, DensePagedAttention
+from tests.layers.test_attention import naive  # causal softmax over a contiguous history
 
 PS, HQ, HKV, D = 4, 4, 2, 16
 QUANT = ["fp8", "int8", "k8v4", "int4"]
-
-
-def naive(q, k, v, ctx: int, n_new: int) -> torch.Tensor:
-    """q [n, Hq, D]; k, v [ctx, Hkv, D] -> causal attention [n, Hq, D]."""
-    rep = q.shape[1] // k.shape[1]
-    k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
-    out = torch.empty_like(q)
-    for i in range(n_new):
-        pos = ctx - n_new + i
-        s = torch.einsum("hd,thd->ht", q[i], k[:pos + 1]) / math.sqrt(q.shape[-1])
-        out[i] = torch.einsum("ht,thd->hd", s.softmax(-1), v[:pos + 1])
-    return out
 
 
 def same(a: torch.Tensor, b: torch.Tensor) -> bool:
