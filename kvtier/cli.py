@@ -26,6 +26,10 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--decode-weights", default="auto", choices=("auto", "dense", "int8"),
                    help="small-batch matmuls: int8 weight copy (auto: on CPU with bf16)")
     p.add_argument("--kv-dtype", default="auto")
+    p.add_argument("--attention-backend", default="auto", choices=("auto", "dense", "triton"),
+                   help="attention kernels (auto: triton on CUDA, else the dense reference)")
+    p.add_argument("--cuda-graphs", default="auto", choices=("auto", "on", "off"),
+                   help="capture decode steps as CUDA graphs (auto: on CUDA with the triton backend)")
     p.add_argument("--page-size", type=int, default=DEFAULT_PAGE_SIZE)
     p.add_argument("--gpu-kv-mib", type=int, default=None, help="KV pool size on the compute device")
     p.add_argument("--host-kv-mib", type=int, default=0, help="pinned host-RAM KV tier size")
@@ -41,7 +45,8 @@ def _engine_config(a: argparse.Namespace) -> EngineConfig:
                         host_kv_mib=a.host_kv_mib, enable_prefix_cache=not a.no_prefix_cache)
     return EngineConfig(device=a.device, dtype=a.dtype, max_batch=a.max_batch,
                         prefill_chunk=a.prefill_chunk, max_model_len=a.max_model_len,
-                        cache=cache, threads=a.threads, decode_weights=a.decode_weights)
+                        cache=cache, threads=a.threads, decode_weights=a.decode_weights,
+                        attention_backend=a.attention_backend, cuda_graphs=a.cuda_graphs)
 
 
 def _sampling_args(p: argparse.ArgumentParser) -> None:
@@ -72,14 +77,47 @@ def cmd_serve(a: argparse.Namespace) -> int:
     engine = build_engine(a.model, config, console=console)
     scfg = ServerConfig(**{**scfg.__dict__, "model_name": a.served_name or engine.model_name})
     url = f"http://{a.host}:{a.port}"
-    console.print(f"[bold]kvtier[/] serving [cyan]{scfg.model_name}[/] at {url}  (chat page: {url}/)",
-                  soft_wrap=True)
+    page = chat_page_url(a.host, a.port, key)
+    console.print(f"[bold]kvtier[/] serving [cyan]{scfg.model_name}[/] at {url}", soft_wrap=True)
+    console.print(f"chat page: {page}" + ("  (logs a browser in once; the key is stored there, not kept in "
+                                          "the address)" if key else ""), soft_wrap=True, highlight=False)
+    if a.open:
+        open_when_listening(page, a.host, a.port)
     auth = f" -H 'Authorization: Bearer {key}'" if key else ""
     console.print(f"try: curl {url}/v1/chat/completions -H 'Content-Type: application/json'{auth} "
                   f"-d '{{\"model\":\"{scfg.model_name}\",\"messages\":[{{\"role\":\"user\","
                   f"\"content\":\"Hello!\"}}],\"max_tokens\":64}}'", soft_wrap=True, highlight=False)
     serve(AsyncEngine(engine), scfg)
     return 0
+
+
+def chat_page_url(host: str, port: int, key: str | None) -> str:
+    """The chat page's URL for a browser on this machine; with a key, a `#key=` fragment that the page
+    stores and then removes from the address bar (fragments are never sent to the server)."""
+    from urllib.parse import quote
+    browser_host = {"0.0.0.0": "127.0.0.1", "::": "[::1]"}.get(host, f"[{host}]" if ":" in host else host)
+    return f"http://{browser_host}:{port}/" + (f"#key={quote(key, safe='')}" if key else "")
+
+
+def open_when_listening(url: str, host: str, port: int, timeout_s: float = 60.0) -> None:
+    """Open `url` in the default browser once the server accepts connections (background thread)."""
+    import socket
+    import threading
+    import webbrowser
+
+    def wait_and_open() -> None:
+        target = "127.0.0.1" if host in ("0.0.0.0", "::") else host
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            try:
+                socket.create_connection((target, port), timeout=1).close()
+            except OSError:
+                time.sleep(0.2)
+                continue
+            if not webbrowser.open(url):
+                console.print("[yellow]--open: no browser found; open the chat page URL above[/]")
+            return
+    threading.Thread(target=wait_and_open, name="kvtier-open-browser", daemon=True).start()
 
 
 def _stream(engine, req, out=sys.stdout) -> tuple[int, float, float]:
@@ -205,6 +243,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-concurrency", type=int, default=64, help="requests in the engine at once")
     p.add_argument("--max-queue", type=int, default=256, help="requests waiting beyond those; more get 429/529")
     p.add_argument("--served-name", default=None)
+    p.add_argument("--open", action="store_true", help="open the chat page in a browser once serving")
     p.add_argument("--gpu-memory-limit", default=None,
                    help="cap on everything kvtier allocates on the GPU, e.g. 12GiB (checked by `kvtier plan`)")
     p.set_defaults(fn=cmd_serve)

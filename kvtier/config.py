@@ -95,8 +95,17 @@ class EngineConfig:
     threads: int | None = None
     # Small-batch matmul weights: auto = an int8 copy on CPU with bf16 (layers/linear.py), else dense
     decode_weights: str = "auto"
+    # layers/backends.py: auto = the fastest the device supports (triton on CUDA, else dense)
+    attention_backend: str = "auto"
+    # CUDA graphs for decode steps (engine/cuda_graph.py): auto = on where the device and the
+    # attention backend allow them
+    cuda_graphs: str = "auto"
 
     def __post_init__(self) -> None:
+        if self.attention_backend not in ("auto", "dense", "triton"):
+            raise ValueError(f"attention_backend must be auto|dense|triton, got {self.attention_backend!r}")
+        if self.cuda_graphs not in ("auto", "on", "off"):
+            raise ValueError(f"cuda_graphs must be auto|on|off, got {self.cuda_graphs!r}")
         if self.decode_weights not in ("auto", "dense", "int8"):
             raise ValueError(f"decode_weights must be auto|dense|int8, got {self.decode_weights!r}")
         if self.device not in DEVICES:

@@ -29,7 +29,7 @@ from kvtier.kv.stats import cache_stats
 from kvtier.kv.manager import CacheManager
 from kvtier.kv.calibrate import calibrate_pool, calibration_tokens
 from kvtier.kv.pool import PagePool, kv_bytes_per_token
-from kvtier.layers.attention import DensePagedAttention
+from kvtier.layers.backends import choose_backend, make_backend
 from kvtier.models.tokenizer import IncrementalDetokenizer, Tokenizer
 
 # KV budget when nothing else is said: CPU RAM is plentiful, GPU memory is planned.
@@ -78,8 +78,12 @@ class Engine:
         kv_dtype = cc.kv_dtype if cc.kv_dtype != "auto" else KV_DTYPE_FOR_COMPUTE[compute]
         fmt = make_format(kv_dtype)
         num_pages = cc.num_pages or self._auto_pages(fmt, spec)
-        self.pool = PagePool(fmt, spec.num_layers, num_pages, spec.num_kv_heads, cc.page_size,
-                             spec.head_dim, self.device, compute_dtype=compute)
+        backend_name = choose_backend(config.attention_backend, self.device)
+        graphs = self._use_graphs(backend_name)
+        # CUDA graphs pad batches with rows that write their K/V into a page no sequence owns
+        scratch = num_pages if graphs else None
+        self.pool = PagePool(fmt, spec.num_layers, num_pages + (1 if graphs else 0), spec.num_kv_heads,
+                             cc.page_size, spec.head_dim, self.device, compute_dtype=compute)
         host_pages = 0
         self.host_pool = None
         if cc.host_kv_mib > 0:
@@ -96,11 +100,22 @@ class Engine:
                                     enable_prefix=cc.enable_prefix_cache,
                                     namespace=f"{model_name}|{fmt.name}")
         self.scheduler = Scheduler(self.manager, config.max_batch, config.prefill_chunk)
-        backend = DensePagedAttention(self.pool, scale=spec.head_dim ** -0.5, host_store=self.host_pool)
-        self.runner = ModelRunner(model, self.pool, backend, self.device, self.host_pool)
+        backend = make_backend(backend_name, self.pool, scale=spec.head_dim ** -0.5, host_store=self.host_pool)
+        self.runner = ModelRunner(model, self.pool, backend, self.device, self.host_pool,
+                                  max_seqs=config.max_batch, max_tokens=config.max_batch + config.prefill_chunk,
+                                  max_model_len=self.max_model_len, scratch_page=scratch)
+        self.graph_capture_seconds = self.runner.capture_graphs() if graphs else 0.0
         self._seqs: dict[str, Sequence] = {}
         self._outs: dict[str, _SeqOut] = {}
         self.steps = 0
+
+    def _use_graphs(self, backend_name: str) -> bool:
+        """CUDA graphs: auto = on for a CUDA device with a graph-capable backend."""
+        mode = self.config.cuda_graphs
+        ok = self.device.type == "cuda" and backend_name == "triton"
+        if mode == "on" and not ok:
+            raise ValueError("CUDA graphs need a CUDA device and the triton attention backend")
+        return ok and mode != "off"
 
     def _auto_pages(self, fmt, spec) -> int:
         ps = self.config.cache.page_size
@@ -127,7 +142,7 @@ class Engine:
         p = req.params
         gen = None
         if p.temperature > 0:
-            gen = torch.Generator(device="cpu")
+            gen = torch.Generator(device=self.device)  # noise is drawn where the logits are
             gen.manual_seed(p.seed if p.seed is not None else int.from_bytes(os.urandom(8), "little"))
         eos = self.tokenizer.eos_token_ids if self.tokenizer is not None else frozenset()
         stop_ids = frozenset(p.stop_token_ids) | (frozenset() if p.ignore_eos else eos)
@@ -224,7 +239,8 @@ class Engine:
     def stats(self) -> dict:
         return {"running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
                 "steps": self.steps, "preemptions": self.scheduler.preemptions,
-                "kv_format": self.kv_format, "gpu_pages": self.pool.num_pages,
+                "kv_format": self.kv_format, "gpu_pages": self.manager.num_gpu_pages,
+                "attention_backend": self.runner.backend.name, "graph_steps": self.runner.graph_steps,
                 "host_pages": self.host_pool.num_pages if self.host_pool else 0,
                 "cache": cache_stats(self.manager, self.pool, self.host_pool)}
 

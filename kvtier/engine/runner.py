@@ -1,29 +1,54 @@
-"""ModelRunner: turns a scheduler Batch into tensors, runs the model, returns logits.
+"""ModelRunner: turns a scheduler Batch into a step plan, runs the model, returns logits.
 
     batch.seqs:      s0 (prefill chunk, 5 tok)  s1 (decode, 1 tok)  s2 (chunk, 3 tok)
     input_ids:       | t t t t t |               | t |               | t t t |
     query_start_loc: 0           5               6                   9
     logits rows:     the last row of each seq with sample=True
+
+Per step: host<->GPU page copies first, then the planner (engine/step_plan.py)
+stages the inputs into persistent device buffers, the attention backend plans
+once (`backend.plan`), and the forward runs: as a replay of a captured CUDA
+graph (engine/cuda_graph.py) when every sequence decodes one token from
+compute-pool pages, else eagerly.
 """
 
 from __future__ import annotations
 
 import torch
 
+from kvtier.engine.cuda_graph import DecodeGraphs
 from kvtier.engine.scheduler import Batch
+from kvtier.engine.step_plan import StepPlanner
 from kvtier.kv.pool import PagePool
-from kvtier.layers.attention import AttentionBackend, AttentionMetadata
+from kvtier.layers.attention import AttentionBackend
 
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, pool: PagePool, backend: AttentionBackend,
-                 device: torch.device, host_pool: PagePool | None = None):
+                 device: torch.device, host_pool: PagePool | None = None, *, max_seqs: int = 32,
+                 max_tokens: int = 2048, max_model_len: int = 4096, scratch_page: int | None = None):
+        """scratch_page: a pool page no sequence owns, where graph padding rows write (needed
+        for CUDA graphs)."""
         self.model = model
         self.pool = pool
         self.host_pool = host_pool
         self.backend = backend
         self.device = device
-        self.page_size = pool.page_size
+        self.page_size = ps = pool.page_size
+        self.max_model_len = max_model_len
+        self.scratch_page = scratch_page
+        self.planner = StepPlanner(device, ps, max_tokens, max_seqs, -(-max_model_len // ps),
+                                   scratch_slot=(scratch_page or 0) * ps)
+        self.graphs: DecodeGraphs | None = None
+        self.graph_steps = 0  # steps that replayed a graph (stats, tests)
+
+    def capture_graphs(self) -> float:
+        """Capture decode graphs for batch sizes up to max_seqs. -> seconds taken."""
+        if self.device.type != "cuda" or self.scratch_page is None:
+            raise ValueError("CUDA graphs need a CUDA device and a scratch page")
+        self.graphs = DecodeGraphs(self.model, self.backend, self.planner, self.planner.max_seqs,
+                                   self.max_model_len)
+        return self.graphs.capture()
 
     def run_transfers(self, batch: Batch) -> None:
         """Swap pages between tiers before the forward (down first: it frees GPU slots)."""
@@ -37,38 +62,26 @@ class ModelRunner:
             src, dst = zip(*t.host_to_gpu)
             self.host_pool.copy_to(self.pool, list(src), list(dst))
 
-    def prepare(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-        ids: list[int] = []
-        pos: list[int] = []
-        slots: list[int] = []
-        qsl = [0]
-        seq_lens: list[int] = []
-        tables: list[list[int]] = []
-        logit_rows: list[int] = []
-        ps = self.page_size
-        for s in batch.seqs:
-            end = s.start + s.num_tokens
-            ids.extend(s.seq.tokens[s.start:end])
-            pos.extend(range(s.start, end))
-            slots.extend(s.page_table[p // ps] * ps + p % ps for p in range(s.start, end))
-            qsl.append(qsl[-1] + s.num_tokens)
-            seq_lens.append(end)
-            tables.append(s.page_table)
-            if s.sample:
-                logit_rows.append(qsl[-1] - 1)
-        dev = self.device
-        meta = AttentionMetadata(
-            query_start_loc=qsl, seq_lens=seq_lens, page_tables=tables,
-            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
-            logits_indices=torch.tensor(logit_rows, dtype=torch.long, device=dev))
-        input_ids = torch.tensor(ids, dtype=torch.long, device=dev)
-        positions = torch.tensor(pos, dtype=torch.long, device=dev)
-        return input_ids, positions, meta
-
     @torch.inference_mode()
     def execute(self, batch: Batch) -> torch.Tensor:
         """Run one step. Returns fp32 logits [n_sampled, vocab], in batch order."""
         self.run_transfers(batch)
-        input_ids, positions, meta = self.prepare(batch)
-        logits = self.model(input_ids, positions, meta, self.backend)
+        size = self._graph_size(batch)
+        if size is not None:
+            self.planner.plan(batch, pad_to=size, max_seq_len=self.max_model_len)
+            self.graph_steps += 1
+            return self.graphs.replay(size, len(batch.seqs))  # type: ignore[union-attr]
+        step = self.planner.plan(batch)
+        self.backend.plan(step.meta)
+        logits = self.model(step.input_ids, step.positions, step.meta, self.backend)
         return logits.float()
+
+    def _graph_size(self, batch: Batch) -> int | None:
+        """The captured size that runs this step, or None (eager): every sequence decodes one
+        token (not its first) and reads only compute-pool pages."""
+        if self.graphs is None:
+            return None
+        for s in batch.seqs:
+            if s.num_tokens != 1 or s.start == 0 or not s.sample or s.page_table[0] < 0:
+                return None
+        return self.graphs.size_for(len(batch.seqs))

@@ -42,12 +42,30 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] int64: page_id * page_size + offset for each new token
     logits_indices: torch.Tensor  # [N] int64 packed rows whose logits are wanted
     # What a backend derives from the tables once per step and reuses in every layer
-    # (device page-index tensors, masks): built by the first layer, keyed by the backend.
+    # (device page-index tensors, masks): built by `backend.plan(meta)` before the forward
+    # (or lazily by the first layer), keyed by the backend.
     step_cache: dict = field(default_factory=dict, repr=False, compare=False)
+    # Device copies made by the runner's step planner (engine/step_plan.py) from pinned
+    # staging, in persistent buffers (CUDA graphs replay over them); None when built by hand.
+    block_table: torch.Tensor | None = None  # [B, max_pages] int32 page ids (padding: 0)
+    seq_lens_t: torch.Tensor | None = None  # [B] int32 = seq_lens (0 for padding rows)
+    # Largest position + 1 the step may touch: seq_lens' max, or the captured capacity (graphs).
+    max_seq_len: int = 0
 
     @property
     def num_seqs(self) -> int:
         return len(self.seq_lens)
+
+    @property
+    def context_bound(self) -> int:
+        """An upper bound on every position + 1 in this step (no device sync needed)."""
+        return self.max_seq_len or max(self.seq_lens, default=1)
+
+    @property
+    def decode_only(self) -> bool:
+        """Every sequence brings exactly one new token, none of them at position 0."""
+        qsl = self.query_start_loc
+        return all(qsl[b + 1] - qsl[b] == 1 and self.seq_lens[b] > 1 for b in range(self.num_seqs))
 
 
 class KVStore(Protocol):
@@ -71,9 +89,28 @@ class KVStore(Protocol):
 
 
 class AttentionBackend(Protocol):
+    """What model code calls once per layer; the runner calls `plan` once per step first.
+
+    A backend that supports CUDA graphs (`graphable`) must make `forward` of a step that
+    `graph_ready(meta)` accepts read only the meta's device tensors (block_table,
+    seq_lens_t, slot_mapping), never its Python lists, and must not synchronise.
+    """
+
+    name: str
+
+    def plan(self, meta: AttentionMetadata, for_graph: bool = False) -> None:
+        """Per-step work done once, outside the layers: device tables, sink slots, kernel
+        choice (stored in meta.step_cache). for_graph: plan for capture (shape-only choices)."""
+
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
         """q: [T, Hq, D], k/v: [T, Hkv, D] -> out [T, Hq, D]."""
+
+    def graph_ready(self, meta: AttentionMetadata) -> bool:
+        """Whether this step can replay a captured decode graph."""
+
+    def attach_host_tier(self, host_store: object | None) -> None:
+        """Set the host pool that offloaded pages are streamed from."""
 
 
 class StreamingKVStore(KVStore, Protocol):
@@ -90,7 +127,7 @@ DEFAULT_STREAM_PAGES = 64
 
 
 class DensePagedAttention:
-    """Reference backend: gathers each sequence's pages and runs torch SDPA.
+    """Reference backend ("dense"): gathers each sequence's pages and runs torch SDPA.
 
     Exact (no selection); the correctness reference for every other backend.
     Pages in the host tier (negative page-table entries) are streamed from
@@ -109,6 +146,16 @@ class DensePagedAttention:
         self.host_store = host_store
         self.stream_pages = stream_pages
 
+    name = "dense"
+
+    def plan(self, meta: AttentionMetadata, for_graph: bool = False) -> None:
+        """Page tables -> device tensors and sink slots, once per step (see `_plan`)."""
+        if id(self) not in meta.step_cache:
+            meta.step_cache[id(self)] = self._plan(meta, meta.slot_mapping.device, meta.slot_mapping.shape[0])
+
+    def graph_ready(self, meta: AttentionMetadata) -> bool:
+        return False  # Python-list page tables: eager only
+
     def attach_host_tier(self, host_store: object | None) -> None:
         """Set the host pool that offloaded pages are streamed from."""
         self.host_store = host_store
@@ -116,7 +163,7 @@ class DensePagedAttention:
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
         plan = meta.step_cache.get(id(self))
-        if plan is None:  # first layer of this step: page tables -> device tensors, once
+        if plan is None:  # not planned by the runner: the first layer plans, once per step
             plan = meta.step_cache[id(self)] = self._plan(meta, q.device, q.shape[0])
         self.store.write(layer, meta.slot_mapping, k, v, sink=plan.sink)
         if self.native:
@@ -152,7 +199,7 @@ class DensePagedAttention:
             slots = self.store.assign_sinks([tables[b][0] for b in starts])
             if slots is not None:
                 plan.sink = (torch.tensor([qsl[b] for b in starts], dtype=torch.long).to(device), slots)
-        plan.first = torch.zeros(1, dtype=torch.long, device=device)
+        plan.first = _zero_index(device)
         if n_rows == meta.num_seqs and meta.num_seqs > 1 and not any(streamed):
             max_p = max(len(pt) for pt in tables)
             table = torch.zeros(meta.num_seqs, max_p, dtype=torch.long)
@@ -215,6 +262,17 @@ class DensePagedAttention:
         else:
             o = decode_attend_cpu(qq, kk, vv, self.scale, plan.batch_mask)
         return o.squeeze(2).to(q.dtype)
+
+
+_ZERO_INDEX: dict[torch.device, torch.Tensor] = {}
+
+
+def _zero_index(device: torch.device) -> torch.Tensor:
+    """[1] int64 = 0 on `device`, made once per device (not once per step)."""
+    t = _ZERO_INDEX.get(device)
+    if t is None:
+        t = _ZERO_INDEX[device] = torch.zeros(1, dtype=torch.long, device=device)
+    return t
 
 
 @dataclass

@@ -83,6 +83,12 @@ class RotaryEmbedding(torch.nn.Module):
         self.cos = torch.cat((freqs, freqs), dim=-1).cos().to(self.dtype)  # [n, D]
         self.sin_signed = torch.cat((-freqs.sin(), freqs.sin()), dim=-1).to(self.dtype)
 
+    def reserve(self, n: int) -> None:
+        """Grow the tables to hold positions < n now (a captured CUDA graph must never see
+        them replaced)."""
+        if n > self.cos.shape[0]:
+            self._grow(n)
+
     def forward(self, positions: torch.Tensor, max_pos: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """positions: [T] int64 -> cos, sin_signed: [T, 1, D] (broadcast over heads).
 

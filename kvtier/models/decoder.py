@@ -168,11 +168,11 @@ class Decoder(torch.nn.Module):
                 backend: AttentionBackend) -> torch.Tensor:
         """input_ids, positions: [T] int64 (packed) -> logits [N, vocab] fp32 for meta.logits_indices.
 
-        positions must agree with meta (row i of seq b at seq_lens[b] - n_new_b + i); the
-        largest one is taken from meta.seq_lens so no device sync is needed.
+        positions must agree with meta (row i of seq b at seq_lens[b] - n_new_b + i); their
+        bound is taken from meta.context_bound so no device sync is needed.
         """
         h = F.embedding(input_ids, self.embed)  # [T, H]
-        cos, sin = self.rotary(positions, max_pos=max(meta.seq_lens) - 1)
+        cos, sin = self.rotary(positions, max_pos=meta.context_bound - 1)
         for i, layer in enumerate(self.layers):
             h = layer(i, h, cos, sin, meta, backend)
         h = self.norm(h.index_select(0, meta.logits_indices))  # [N, H]

@@ -1,0 +1,109 @@
+"""Attention backends by name, and `--attention-backend auto`.
+
+    dense   layers/attention.py DensePagedAttention: gathers pages, torch SDPA. The
+            reference every other backend is tested against; runs everywhere.
+    triton  TritonPagedAttention below: decode steps read the pages in place with the
+            split-K kernel of kernels/paged_attention.py (every KV format, codes never
+            expanded to a dense copy) and can be captured in CUDA graphs; other steps
+            (prefill chunks, host-tier streaming) go through the dense reference.
+
+`auto` picks triton where a CUDA device and Triton are present, else dense.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvtier.layers.attention import AttentionMetadata, DensePagedAttention
+
+BACKEND_NAMES = ("auto", "dense", "triton")
+
+
+def triton_available(device: torch.device) -> bool:
+    if device.type != "cuda":
+        return False
+    from kvtier.kernels import paged_attention
+    return paged_attention.HAVE_TRITON
+
+
+def choose_backend(name: str, device: torch.device) -> str:
+    """Resolve "auto" (or check an explicit choice) for `device`; ValueError if unusable."""
+    if name not in BACKEND_NAMES:
+        raise ValueError(f"unknown attention backend {name!r} (choose from {', '.join(BACKEND_NAMES)})")
+    if name == "auto":
+        return "triton" if triton_available(device) else "dense"
+    if name == "triton" and not triton_available(device):
+        raise ValueError("the triton attention backend needs a CUDA device and the triton package")
+    return name
+
+
+def make_backend(name: str, store, scale: float, host_store: object | None = None):
+    """The backend `name` ("auto" resolved for the store's device) over the page pool `store`."""
+    resolved = choose_backend(name, torch.device(store.device))
+    if resolved == "triton":
+        return TritonPagedAttention(store, scale, host_store)
+    return DensePagedAttention(store, scale, host_store)
+
+
+@dataclass
+class _KernelPlan:
+    num_splits: int  # split-K partitions of each sequence's pages (shape-only for graphs)
+
+
+class TritonPagedAttention:
+    """Decode steps through the paged kernel; everything else through the dense reference.
+
+    A step runs the kernel when every sequence brings one token (not its first) and
+    every page it reads is in the compute pool. The kernel reads the meta's device
+    tensors only, so such steps are CUDA-graph capturable.
+    """
+
+    name = "triton"
+
+    def __init__(self, store, scale: float, host_store: object | None = None):
+        self.store = store
+        self.scale = scale
+        self.dense = DensePagedAttention(store, scale, host_store)
+        self.native = self.dense.native  # attend in the stored (rotated) domain
+        props = torch.cuda.get_device_properties(torch.device(store.device))
+        self.num_sms = props.multi_processor_count
+
+    def attach_host_tier(self, host_store: object | None) -> None:
+        self.dense.attach_host_tier(host_store)
+
+    def graph_ready(self, meta: AttentionMetadata) -> bool:
+        return meta.block_table is not None and meta.decode_only and not _has_host_pages(meta)
+
+    def plan(self, meta: AttentionMetadata, for_graph: bool = False) -> None:
+        if not for_graph and not self.graph_ready(meta):
+            self.dense.plan(meta)
+            return
+        from kvtier.kernels.paged_attention import choose_num_splits
+        splits = choose_num_splits(meta.num_seqs, self.store.kv_heads, meta.context_bound,
+                                   self.store.page_size, self.num_sms)
+        meta.step_cache[id(self)] = _KernelPlan(splits)
+
+    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        plan = meta.step_cache.get(id(self))
+        if plan is None:
+            if id(self.dense) in meta.step_cache or not self.graph_ready(meta):
+                return self.dense.forward(layer, q, k, v, meta)
+            self.plan(meta)
+            plan = meta.step_cache[id(self)]
+        from kvtier.kernels.paged_attention import paged_decode
+        store = self.store
+        store.write(layer, meta.slot_mapping, k, v)  # decode rows: never position 0, no sinks
+        if self.native:
+            q = store.native_q(layer, q)
+        sink = (store.sink_k[layer], store.sink_v[layer], store.sink_slot) if store.sink_slots else None
+        o = paged_decode(q, store.layers[layer], store.fmt, meta.block_table, meta.seq_lens_t,
+                         self.scale, plan.num_splits, sink=sink)
+        return store.native_out(o) if self.native else o
+
+
+def _has_host_pages(meta: AttentionMetadata) -> bool:
+    """Whether a sequence's table starts with host-tier pages (negative ids head the table)."""
+    return any(pt and pt[0] < 0 for pt in meta.page_tables)
