@@ -221,6 +221,9 @@ def cmd_bench(a: argparse.Namespace) -> int:
     if a.swap_pages:
         from kvtier.bench.swap import run_swap_bench
         return run_swap_bench(a.swap_pages, a.page_size, a.out)
+    if a.contexts:
+        from kvtier.bench.grid import run_grid
+        return run_grid(a)
     from kvtier.bench.run import run_bench
     return run_bench(a)
 
@@ -276,6 +279,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cached-tokens", type=int, default=0, help="prefix-cache TTFT: cached history length")
     p.add_argument("--new-tokens", type=int, default=50, help="prefix-cache TTFT: new tokens after it")
     p.add_argument("--swap-pages", type=int, default=0, help="host->GPU swap bandwidth over N pages")
+    p.add_argument("--contexts", default=None,
+                   help="grid bench (with --shape): prompt lengths, e.g. 1024,32768")
+    p.add_argument("--batches", default="1", help="grid bench: concurrent requests, e.g. 1,32")
+    p.add_argument("--kv-dtypes", default="bf16", help="grid bench: KV formats, e.g. bf16,int8,k8v4")
     p.set_defaults(fn=cmd_bench)
     p = sub.add_parser("plan", help="memory plan for a model, context and limits")
     p.add_argument("--model", "-m", default=DEFAULT_MODEL)

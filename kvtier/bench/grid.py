@@ -1,0 +1,160 @@
+"""`kvtier bench --contexts ... --batches ... --kv-dtypes ...`: decode speed over a grid.
+
+One model (a random-weight shape or a checkpoint) is built once; for each KV
+format an Engine is made over it (its pool, CUDA graphs), and for each context
+and batch size B, B greedy requests of that prompt length run together:
+
+    TTFT        time until every request has its first token (B prompts prefilled)
+    decode      B * (gen - 1) tokens / time from then to the end
+    % of bound  step rate * bytes a step reads / measured bandwidth, where a step
+                reads every weight once plus each sequence's whole KV context
+                (codes, scales and sink share: pool.kv_bytes_per_token x layers)
+
+HF transformers runs the batch-1 rows of the first format in the same process
+on the same weights (same token ids), for reference.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import time
+import uuid
+from dataclasses import dataclass, replace
+
+import torch
+from rich.console import Console
+from rich.table import Table
+
+from kvtier.bench.run import bench_hf_model, measure_bandwidth, synthetic_ids, _sync
+
+
+@dataclass
+class GridRow:
+    engine: str
+    kv: str
+    context: int
+    batch: int
+    ttft_s: float
+    prefill_tok_s: float
+    decode_tok_s: float  # aggregate over the batch
+    step_bytes: float  # bytes one decode step reads (weights + KV at the mean context)
+    bandwidth: float
+
+    @property
+    def bw_pct(self) -> float:
+        steps_per_s = self.decode_tok_s / self.batch
+        return 100 * steps_per_s * self.step_bytes / self.bandwidth
+
+
+def _csv(text: str, cast=str) -> list:
+    return [cast(x) for x in text.split(",") if x.strip()]
+
+
+def run_batch(engine, prompts: list[list[int]], gen: int) -> tuple[float, float, int]:
+    """All prompts at once, greedy. -> (TTFT of the last first token, decode seconds, tokens)."""
+    from kvtier.engine.request import Request, SamplingParams
+
+    for ids in prompts:
+        engine.add_request(Request(uuid.uuid4().hex, ids, SamplingParams(temperature=0.0, max_tokens=gen,
+                                                                          ignore_eos=True)))
+    _sync(engine.device)
+    t0 = time.perf_counter()
+    first: set[str] = set()
+    t_first = None
+    n = 0
+    while engine.has_unfinished():
+        for o in engine.step():
+            n += len(o.token_ids)
+            if o.token_ids and o.request_id not in first:
+                first.add(o.request_id)
+                if len(first) == len(prompts):
+                    _sync(engine.device)
+                    t_first = time.perf_counter()
+    _sync(engine.device)
+    t_end = time.perf_counter()
+    assert t_first is not None
+    return t_first - t0, t_end - t_first, n
+
+
+def run_grid(a: argparse.Namespace) -> int:
+    from kvtier.bench.shapes import kvtier_from_hf, random_hf_model
+    from kvtier.cli import _engine_config
+    from kvtier.engine.build import DTYPES, prepare_model, resolve_device
+    from kvtier.engine.engine import Engine
+    from kvtier.kv.formats import make_format
+    from kvtier.kv.pool import kv_bytes_per_token
+
+    console = Console()
+    if not a.shape:
+        raise ValueError("the grid bench runs on a random-weight --shape")
+    base = resolve_device(_engine_config(a))
+    dev, dt = torch.device(base.device), DTYPES[base.dtype]
+    hf = random_hf_model(a.shape, dt, dev)
+    net = prepare_model(kvtier_from_hf(hf, dt, dev), base)
+    spec = net.spec
+    bw = measure_bandwidth(dev)
+    wbytes = net.decode_weight_bytes()
+    contexts, batches = _csv(a.contexts, int), _csv(a.batches, int)
+    rows: list[GridRow] = []
+    for i, kv in enumerate(_csv(a.kv_dtypes)):
+        need = max(c + a.gen_tokens for c in contexts)
+        cfg = replace(base, cache=replace(base.cache, kv_dtype=kv),
+                      max_model_len=max(base.max_model_len or 0, need))
+        engine = Engine(net, None, cfg, model_name=f"random-{a.shape}")
+        console.print(f"[dim]{kv}: backend {engine.runner.backend.name}, CUDA graphs captured in "
+                      f"{engine.graph_capture_seconds:.1f} s, {engine.manager.num_gpu_pages} pages[/]")
+        kvpt = kv_bytes_per_token(make_format(kv), spec.num_kv_heads, spec.head_dim, cfg.cache.page_size,
+                                  dt) * spec.num_layers
+        run_batch(engine, [synthetic_ids(64, spec.vocab_size, 3)], 8)  # warm-up
+        for ctx in contexts:
+            for b in batches:
+                if b * (ctx + a.gen_tokens) > engine.manager.num_gpu_pages * cfg.cache.page_size:
+                    console.print(f"[yellow]skip {kv} ctx {ctx} batch {b}: pool too small[/]")
+                    continue
+                prompts = [synthetic_ids(ctx, spec.vocab_size, 31 + 2 * j) for j in range(b)]
+                ttft, dec_s, n = run_batch(engine, prompts, a.gen_tokens)
+                mean_ctx = ctx + a.gen_tokens / 2
+                rows.append(GridRow("kvtier", kv, ctx, b, ttft, b * ctx / ttft, (n - b) / dec_s,
+                                    wbytes + b * mean_ctx * kvpt, bw))
+                console.print(_fmt(rows[-1]))
+                if i == 0 and b == 1 and not a.no_hf:
+                    r = bench_hf_model(hf, prompts[0], a.gen_tokens, dev, bw)
+                    hf_bytes = r.weight_bytes + mean_ctx * 2 * spec.num_layers * spec.num_kv_heads \
+                        * spec.head_dim * torch.empty((), dtype=dt).element_size()
+                    rows.append(GridRow("hf-transformers", "bf16", ctx, 1, r.ttft_s, r.prefill_tok_s,
+                                        r.decode_tok_s, hf_bytes, bw))
+                    console.print(_fmt(rows[-1]))
+        del engine
+        gc.collect()
+        torch.cuda.empty_cache() if dev.type == "cuda" else None
+    _report(console, a, rows, bw, wbytes)
+    return 0
+
+
+def _fmt(r: GridRow) -> str:
+    return (f"{r.engine:16s} kv {r.kv:5s} ctx {r.context:6d} batch {r.batch:3d}: TTFT {r.ttft_s * 1e3:8.1f} ms, "
+            f"prefill {r.prefill_tok_s:8.0f} tok/s, decode {r.decode_tok_s:8.1f} tok/s, "
+            f"{r.bw_pct:4.0f}% of bound")
+
+
+def _report(console: Console, a: argparse.Namespace, rows: list[GridRow], bw: float, wbytes: int) -> None:
+    dev = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    title = (f"random-{a.shape} on {dev}; weights read per step {wbytes / 1e9:.2f} GB; "
+             f"bandwidth {bw / 1e9:.0f} GB/s")
+    table = Table(title=title)
+    cols = ("engine", "KV", "context", "batch", "TTFT ms", "prefill tok/s", "decode tok/s", "% of bound")
+    for c in cols:
+        table.add_column(c, justify="left" if c in ("engine", "KV") else "right", no_wrap=True)
+    out = []
+    for r in rows:
+        row = (r.engine, r.kv, str(r.context), str(r.batch), f"{r.ttft_s * 1e3:.0f}", f"{r.prefill_tok_s:.0f}",
+               f"{r.decode_tok_s:.1f}", f"{r.bw_pct:.0f}%")
+        table.add_row(*row)
+        out.append(row)
+    console.print(table)
+    if a.out:
+        with open(a.out, "a") as f:
+            f.write(f"\n{title}\n\n| " + " | ".join(cols) + " |\n|" + "---|" * len(cols) + "\n")
+            for row in out:
+                f.write("| " + " | ".join(row) + " |\n")
