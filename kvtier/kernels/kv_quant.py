@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from kvtier.kv.formats import (FP8_E4M3_MAX, INT4_BIAS, INT4_MAX, INT8_MAX, MIN_SCALE, Codec, Fp8Codec,
-                               Int4Codec, Int8Codec, KVFormat)
+                               Int4Codec, Int8Codec, KVFormat, PlainCodec)
 
 try:
     import triton
@@ -49,6 +49,19 @@ if HAVE_TRITON:
             q = tl.minimum(tl.maximum(tl.floor(y + 0.5), -QMAX), QMAX).to(tl.int8)
         tl.store(data_ptr + row * D + d, q, mask=m)
         tl.store(scale_ptr + row, s)
+
+    @triton.jit
+    def _plain_store_kernel(x_ptr, slot_ptr, data_ptr, stride_xt, stride_xh, H, S,
+                            D: tl.constexpr, BLOCK_D: tl.constexpr):
+        """One (token, head) row copied as is (plain formats), cast to the page dtype."""
+        t = tl.program_id(0)
+        h = tl.program_id(1)
+        slot = tl.load(slot_ptr + t).to(tl.int64)
+        row = ((slot // S) * H + h) * S + slot % S
+        d = tl.arange(0, BLOCK_D)
+        m = d < D
+        x = tl.load(x_ptr + t * stride_xt + h * stride_xh + d, mask=m)
+        tl.store(data_ptr + row * D + d, x.to(data_ptr.dtype.element_ty), mask=m)
 
     @triton.jit
     def _row_load_kernel(data_ptr, scale_ptr, pid_ptr, out_ptr, H, S,
@@ -167,10 +180,24 @@ def codec_load(codec: Codec, data: torch.Tensor, scale: torch.Tensor, page_ids: 
     return out
 
 
+def plain_store(x: torch.Tensor, slots: torch.Tensor, data: torch.Tensor) -> None:
+    """data[slot // S, :, slot % S] = x (cast): x [T, H, D], data [P, H, S, D], one launch."""
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    t, h, d = x.shape
+    if t:
+        _plain_store_kernel[(t, h)](x, slots, data, x.stride(0), x.stride(1), h, data.shape[2], D=d,
+                                    BLOCK_D=_pow2(d))
+
+
 def store_rows(fmt: KVFormat, st: dict[str, torch.Tensor], slots: torch.Tensor, k: torch.Tensor,
                v: torch.Tensor) -> bool:
     """KVFormat.store through the kernels; False (nothing written) if a codec has none."""
     codecs = (("k", fmt.k_codec, k), ("v", fmt.v_codec, v))
+    if HAVE_TRITON and all(isinstance(c, PlainCodec) for _, c, _ in codecs):
+        plain_store(k, slots, st["k"])
+        plain_store(v, slots, st["v"])
+        return True
     if not HAVE_TRITON or not all(isinstance(c, (Int8Codec, Fp8Codec, Int4Codec)) for _, c, _ in codecs):
         return False
     for kv, codec, x in codecs:

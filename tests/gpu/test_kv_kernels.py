@@ -28,6 +28,13 @@ def test_kernels_match_reference_cuda(name: str, dtype: torch.dtype, head_dim: i
                      device="cuda", dtype=dtype, exact_fp8=True)
 
 
+@pytest.mark.parametrize("name", ["fp32", "bf16", "fp16"])
+def test_plain_store_kernel_matches_reference_cuda(name: str) -> None:
+    import kvtier.kernels.kv_quant as kq
+    kernel_cases.check_plain_store(kq, name, heads=8, page_size=16, head_dim=128, num_pages=64, n_rows=500,
+                                   device="cuda")
+
+
 @pytest.mark.parametrize("name", FORMAT_NAMES)
 def test_cuda_pool_matches_cpu_pool(name: str) -> None:
     """PagePool on CUDA (kernels) reads back what the CPU pool (reference) reads back."""
