@@ -4,6 +4,8 @@
 #   tools/device_run.sh setup      (carry [".whl"]; also stash a SmolLM2 piece: see device-split.sh)
 #   tools/device_run.sh tests      GPU tests (uses /tmp/SmolLM2-135M-Instruct.Q4_1.gguf if there) + swap bench
 #   tools/device_run.sh bench      decode/prefill benches (bf16, int8, k8v4 KV) + 80K prefix TTFT
+#   tools/device_run.sh runtime    runtime/kernel GPU tests + the decode grid bench (bf16, 1K, batch 1/32)
+#   tools/device_run.sh grid       the full decode grid (bf16/int8/k8v4 KV, 1K/32K, batch 1/32) + 8K prefill
 #   tools/device_run.sh            both
 set -u
 export PYTHONUNBUFFERED=1
@@ -18,6 +20,17 @@ nvidia-smi -L | tee "$OUT/gpu.txt"
 B="$OUT/bench.md"
 run() { echo "+ $*" | tee -a "$B"; timeout "${T:-240}" "$@" 2>&1 | tee -a "$OUT/log.txt" | tail -25; }
 what=${1:-all}
+if [ "$what" = runtime ]; then
+  T=300 run python3 -m pytest -q -p no:cacheprovider -x -rs tests/gpu/test_runtime.py tests/gpu/test_kv_kernels.py \
+    $(ls tests/gpu/test_paged_attention.py tests/gpu/test_fused.py 2>/dev/null)
+  T=60 run python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_paged_attention.py -k print
+  T=200 run python3 -m kvtier.cli bench --shape qwen3-8b --contexts 1024 --batches 1,32 --kv-dtypes bf16 \
+    --gen-tokens 64 --out "$B"
+fi
+if [ "$what" = grid ]; then
+  T=420 run python3 -m kvtier.cli bench --shape qwen3-8b --contexts 1024,8192,32768 --batches 1,32 \
+    --kv-dtypes bf16,int8,k8v4 --gen-tokens 64 --prefill-chunk 4096 --out "$B"
+fi
 if [ "$what" = tests ] || [ "$what" = all ]; then
   T=240 run python3 -m pytest -q -p no:cacheprovider -x -rs tests/gpu
   T=60 run python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_page_copy.py -k print
