@@ -1,0 +1,141 @@
+"""Shared checks of the paged decode kernel (kvtier/kernels/paged_attention.py) against its reference.
+
+Used by tests/layers/test_paged_attention_interp.py (TRITON_INTERPRET=1 on CPU,
+tiny sizes; run as a script) and tests/gpu/test_paged_attention.py (CUDA).
+
+A case is a one-layer PagePool whose every slot holds a real random row written
+through PagePool.write (so codes, scales and K smoothing are what the engine
+stores, and rows past a sequence's end are not zeros), sequences on shuffled
+pages, block-table tails filled with arbitrary valid page ids, and sink slots
+on some sequences' first pages.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from types import ModuleType
+
+import torch
+
+from kvtier.kv.formats import FORMAT_NAMES, make_format
+from kvtier.kv.pool import PagePool
+
+PLAIN_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+# Kernel vs reference, per compute dtype: the kernel rounds the softmax probabilities to the
+# compute dtype for its P @ V tensor-core product, and applies int8/fp8 scales after the dot.
+TOLERANCE = {torch.float32: 2e-4, torch.bfloat16: 3e-2, torch.float16: 5e-3}
+# Spare pages beyond the sequences' own: the block-table tails point at them too.
+SPARE_PAGES = 3
+NUM_SLOTS = 8  # sink slots of the standalone sink tensors (plain formats have none in their pool)
+
+
+@dataclass
+class Case:
+    """Inputs of one paged_decode call."""
+
+    fmt_name: str
+    q: torch.Tensor  # [B, Hq, D] in the compute dtype
+    st: dict[str, torch.Tensor]  # one pool layer
+    block_table: torch.Tensor  # [B, max_pages] int32
+    seq_lens: torch.Tensor  # [B] int32
+    sink: tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # (sink_k, sink_v, sink_slot)
+    scale: float
+    pool: PagePool
+
+
+def compute_dtype(name: str, quant_dtype: torch.dtype) -> torch.dtype:
+    """Plain formats compute in their own dtype; quantized ones in `quant_dtype`."""
+    return PLAIN_DTYPES.get(name, quant_dtype)
+
+
+def interp_dtype(name: str, quant_dtype: torch.dtype) -> torch.dtype:
+    """compute_dtype, but fp32 for bf16 pages: the Triton 3.9 interpreter's tl.dot on bf16
+    operands multiplies their raw bits (measured: errors ~1e10), so bf16 dots run on the GPU only."""
+    dtype = compute_dtype(name, quant_dtype)
+    return torch.float32 if dtype == torch.bfloat16 else dtype
+
+
+def make_case(name: str, kv_heads: int, gqa: int, page_size: int, head_dim: int, seq_lens: list[int],
+              with_sink: list[bool], dtype: torch.dtype, device: str, seed: int) -> Case:
+    """A pool of random rows and B = len(seq_lens) sequences; with_sink[b]: seq b's first page has a slot."""
+    fmt = make_format(name)
+    g = torch.Generator().manual_seed(seed)
+    need = [max(1, math.ceil(n / page_size)) for n in seq_lens]  # a seq_len-0 row still has a page id
+    num_pages = sum(need) + SPARE_PAGES
+    pool = PagePool(fmt, 1, num_pages, kv_heads, page_size, head_dim, device, compute_dtype=dtype)
+    rows = num_pages * page_size
+    k = torch.randn(rows, kv_heads, head_dim, generator=g) * 2 + 0.5
+    v = torch.randn(rows, kv_heads, head_dim, generator=g)
+    pool.write(0, torch.randperm(rows, generator=g).to(device), k.to(device, dtype), v.to(device, dtype))
+    free = torch.randperm(num_pages, generator=g).tolist()
+    table = torch.randint(0, num_pages, (len(seq_lens), max(need) + 1), generator=g)  # tails: any valid id
+    for b, n in enumerate(need):
+        table[b, :n] = torch.tensor([free.pop() for _ in range(n)])
+    firsts = [int(table[b, 0]) for b, s in enumerate(with_sink) if s]
+    if pool.sink_slots:  # quantized formats: the pool's own sink tensors and page -> slot map
+        slots = pool.assign_sinks(firsts)
+        sink_k, sink_v, sink_slot = pool.sink_k[0], pool.sink_v[0], pool.sink_slot
+    else:
+        slots = torch.randperm(NUM_SLOTS, generator=g)[:len(firsts)].to(device)
+        sink_k = torch.zeros(NUM_SLOTS, kv_heads, head_dim, dtype=dtype, device=device)
+        sink_v = torch.zeros_like(sink_k)
+        sink_slot = torch.full((num_pages,), -1, dtype=torch.long, device=device)
+        sink_slot[torch.tensor(firsts, dtype=torch.long, device=device)] = slots
+    if firsts:  # exact rows that differ from the quantized row 0 of the page
+        sink_k[slots] = (torch.randn(len(firsts), kv_heads, head_dim, generator=g) * 2).to(device, dtype)
+        sink_v[slots] = torch.randn(len(firsts), kv_heads, head_dim, generator=g).to(device, dtype)
+    q = torch.randn(len(seq_lens), kv_heads * gqa, head_dim, generator=g).to(device, dtype)
+    return Case(name, q, pool.layers[0], table.to(device, torch.int32),
+                torch.tensor(seq_lens, dtype=torch.int32, device=device), (sink_k, sink_v, sink_slot),
+                head_dim ** -0.5, pool)
+
+
+def check_case(pa: ModuleType, case: Case, num_splits: int, use_sink: bool) -> None:
+    """Kernel == reference (to the compute dtype's tolerance); seq_len-0 rows exactly zero."""
+    sink = case.sink if use_sink else None
+    fmt = case.pool.fmt
+    got = pa.paged_decode(case.q, case.st, fmt, case.block_table, case.seq_lens, case.scale, num_splits, sink=sink)
+    want = pa.paged_decode_reference(case.q, case.st, fmt, case.block_table, case.seq_lens, case.scale, sink=sink)
+    assert got.shape == case.q.shape and got.dtype == case.q.dtype
+    tol = TOLERANCE[case.q.dtype]
+    err = (got.float() - want.float()).abs().max().item()
+    assert torch.allclose(got.float(), want.float(), rtol=tol, atol=tol), \
+        f"{case.fmt_name} splits={num_splits} sink={use_sink}: max |kernel - reference| = {err:.3g}"
+    empty = case.seq_lens == 0
+    assert not got[empty].any(), "a seq_len-0 row is not zero"
+    if use_sink and bool((case.sink[2][case.block_table[:, 0].long()] >= 0).any()):
+        plain = pa.paged_decode_reference(case.q, case.st, fmt, case.block_table, case.seq_lens, case.scale)
+        assert not torch.allclose(plain, want, rtol=tol, atol=tol), "the sink rows changed nothing: vacuous test"
+
+
+# (format, gqa, page_size, head_dim, seq_lens, with_sink, quantized-format compute dtype)
+LENS = [5, 0, 13, 1, 33]  # odd lengths, partial pages, a padding row, one token
+SINKS = [True, True, False, True, False]
+INTERP_CASES = [(name, gqa, 4, 16, LENS, SINKS, torch.float32) for name in FORMAT_NAMES for gqa in (1, 2, 4)]
+INTERP_CASES += [
+    ("int4", 2, 4, 64, [37, 3], [True, False], torch.float32),  # int4: several scale groups a row
+    ("k8v4", 1, 2, 32, [300, 7], [False, True], torch.float32),  # several tiles per split
+    ("int8", 4, 8, 32, [19, 0, 64], [True, False, True], torch.float16),
+    ("fp8", 2, 4, 16, [11, 26], [True, True], torch.float16),
+]
+INTERP_SPLITS = (1, 3)
+
+
+def main() -> None:
+    """Run every interpreter case (TRITON_INTERPRET=1 must be set before triton is imported)."""
+    import kvtier.kernels.paged_attention as pa
+    failures = []
+    for i, (name, gqa, ps, hd, lens, sinks, qdt) in enumerate(INTERP_CASES):
+        case = make_case(name, 2, gqa, ps, hd, lens, sinks, interp_dtype(name, qdt), "cpu", seed=i)
+        for splits in INTERP_SPLITS:
+            for use_sink in (False, True):
+                try:
+                    check_case(pa, case, splits, use_sink)
+                except AssertionError as e:
+                    failures.append(f"{name} gqa={gqa} ps={ps} D={hd} splits={splits} sink={use_sink}: {e}")
+    print("\n".join(failures) if failures else "ALL OK")
+
+
+if __name__ == "__main__":
+    main()
