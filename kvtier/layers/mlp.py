@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
+from kvtier.kernels import fused
 from kvtier.layers.linear import FusedLinear, Linear
 
 
@@ -19,5 +19,6 @@ class GatedMLP(torch.nn.Module):
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         """x: [T, H] -> [T, H]; with `residual` [T, H], returns residual + mlp(x) (fused into the GEMM)."""
         gu = self.gate_up(x)  # [T, 2I]
-        act = F.silu(gu[:, :self.inter]).mul_(gu[:, self.inter:])  # [T, I]
+        # silu(gate) * up, [T, I]: one fused kernel on CUDA, else F.silu + mul_
+        act = fused.silu_mul(gu) if fused.use_kernels(gu) else fused.silu_mul_reference(gu)
         return self.down(act) if residual is None else self.down.add_to(residual, act)

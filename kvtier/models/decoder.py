@@ -16,12 +16,13 @@ import torch
 import torch.nn.functional as F
 
 from kvtier.config import ModelSpec
+from kvtier.kernels import fused
 from kvtier.layers.attention import AttentionBackend, AttentionMetadata
 from kvtier.layers.linear import (FOUR_BIT_SOURCES, INT8_GEMV_MAX_ROWS, FusedLinear, Linear, int4_gemv_supported,
                                   quantize_rows_int8)
 from kvtier.layers.mlp import GatedMLP
 from kvtier.layers.norm import RMSNorm
-from kvtier.layers.rotary import RotaryEmbedding, apply_rotary
+from kvtier.layers.rotary import RotaryEmbedding
 from kvtier.models.registry import expected_shapes, optional_shapes
 
 # Activation/weight dtypes the decoder runs in (quantized weights are dequantised by the loader).
@@ -73,15 +74,21 @@ class DecoderLayer(torch.nn.Module):
         t, hq, hkv, d = h.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
         qkv = self.qkv(self.input_norm(h))  # [T, (Hq + 2 Hkv) * D]
         v = qkv[:, (hq + hkv) * d:].view(t, hkv, d)  # [T, Hkv, D]
-        if self.q_norm is not None and self.k_norm is not None:
-            q = apply_rotary(self.q_norm(qkv[:, :hq * d].view(t, hq, d)), cos, sin)  # [T, Hq, D]
-            k = apply_rotary(self.k_norm(qkv[:, hq * d:(hq + hkv) * d].view(t, hkv, d)), cos, sin)
-        else:  # q and k heads are adjacent: rotate them in one pass
-            qk = apply_rotary(qkv[:, :(hq + hkv) * d].view(t, hq + hkv, d), cos, sin)
-            q, k = qk[:, :hq], qk[:, hq:]
+        q, k = self._rotated_qk(qkv, cos, sin)  # [T, Hq, D], [T, Hkv, D]
         o = backend.forward(layer_idx, q, k, v, meta)  # [T, Hq, D]
         h = self.o_proj.add_to(h, o.reshape(t, hq * d))
         return self.mlp(self.post_norm(h), residual=h)
+
+    def _rotated_qk(self, qkv: torch.Tensor, cos: torch.Tensor,
+                    sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """qkv: [T, (Hq + 2 Hkv) * D] -> q [T, Hq, D], k [T, Hkv, D]: per-head RMSNorm (Qwen3), then rotary.
+
+        One fused Triton kernel on CUDA; elsewhere q_norm / k_norm then apply_rotary (kernels/fused.py).
+        """
+        qn, kn = self.q_norm, self.k_norm
+        qw, kw, eps = (qn.weight, kn.weight, qn.eps) if qn is not None and kn is not None else (None, None, 0.0)
+        rope = fused.qk_norm_rope if fused.use_kernels(qkv, cos, sin, qw, kw) else fused.qk_norm_rope_reference
+        return rope(qkv, self.num_heads, self.num_kv_heads, self.head_dim, cos, sin, qw, kw, eps)
 
 
 class Decoder(torch.nn.Module):
