@@ -26,7 +26,14 @@ $(VENV)/.stamp-test: pyproject.toml $(VENV)/.stamp-install
 	touch $@
 
 install: $(VENV)/.stamp-install
+# The browser test (tests/server/test_webui.py) drives Debian's Chromium through Playwright; as root,
+# install it when missing (no browser download: Playwright is given this executable).
 install-test: $(VENV)/.stamp-test
+	@command -v chromium >/dev/null 2>&1 || command -v chromium-browser >/dev/null 2>&1 || \
+	if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+		echo "installing Chromium (apt-get) for the browser test"; \
+		apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium >/dev/null; \
+	else echo "note: no Chromium and not root: the browser test will be skipped"; fi
 
 run: install
 	$(VENV)/bin/kvtier serve --model $(MODEL) --host $(HOST) --port $(PORT)

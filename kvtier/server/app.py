@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import hmac
+import html
 import logging
 from importlib import resources
 
@@ -15,12 +16,14 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.staticfiles import StaticFiles
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from kvtier.config import ServerConfig
 from kvtier.server import anthropic, openai, responses
 from kvtier.server.context import Admission, GrammarProvider, ServerContext
-from kvtier.server.errors import APIError, error_response, flavor_for_path, validation_message
+from kvtier.server.errors import (OPENAI_ERROR_RESPONSES, APIError, error_response, flavor_for_path,
+                                  validation_message)
 from kvtier.server.metrics import Metrics
 
 log = logging.getLogger("kvtier.server")
@@ -30,6 +33,11 @@ LOOPBACK_BINDS = ("127.0.0.1", "localhost", "::1")
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1", "[::1]")
 # Paths anyone who can reach the server may read: liveness and the chat page itself.
 PUBLIC_PATHS = ("/", "/health", "/openapi.json", "/docs")
+# The chat page's static files (kvtier/server/webui/): public like the page; its API calls carry the key.
+WEBUI_PREFIX = "/webui/"
+# The chat page may load and call only this server (model text can't pull in anything else).
+WEBUI_CSP = ("default-src 'self'; img-src 'self' data:; style-src 'self'; script-src 'self'; "
+             "connect-src 'self'; base-uri 'none'; form-action 'none'; frame-ancestors 'none'")
 BODY_METHODS = (b"POST", b"PUT", b"PATCH")
 
 
@@ -77,7 +85,8 @@ class Guard:
         if self.check_host and host is not None and _host_name(host).lower() not in LOOPBACK_HOSTS:
             return APIError(403, f"Host {host!r} is not a loopback name; this server listens on loopback only "
                                  "(DNS-rebinding guard)", err_type="permission_error")
-        if self.config.api_key and path not in PUBLIC_PATHS and method != "OPTIONS":
+        public = path in PUBLIC_PATHS or path.startswith(WEBUI_PREFIX)
+        if self.config.api_key and not public and method != "OPTIONS":
             given = headers.get("x-api-key") or ""
             auth = headers.get("authorization", "")
             if auth.lower().startswith("bearer "):
@@ -177,7 +186,16 @@ def create_app(engine, config: ServerConfig) -> FastAPI:
     @app.get("/", include_in_schema=False)
     async def webui() -> HTMLResponse:
         page = resources.files("kvtier.server").joinpath("webui/index.html").read_text("utf-8")
-        return HTMLResponse(page.replace("__MODEL__", ctx.model_name))
+        return HTMLResponse(page.replace("__MODEL__", html.escape(ctx.model_name)), headers={
+            "content-security-policy": WEBUI_CSP, "cache-control": "no-cache", "referrer-policy": "no-referrer",
+            "x-content-type-options": "nosniff"})
+
+    app.mount(WEBUI_PREFIX.rstrip("/"), _WebUIFiles(packages=[("kvtier.server", "webui")]), name="webui")
+
+    @app.get("/v1/kvtier/stats", tags=["server"], responses=OPENAI_ERROR_RESPONSES)
+    async def kv_stats() -> dict:
+        """The chat page's gauges: context window, KV pages per tier, requests in flight."""
+        return webui_stats(engine.stats(), ctx, admission)
 
     app.add_middleware(Guard, config=config, metrics=metrics)
     if config.cors:
@@ -186,6 +204,32 @@ def create_app(engine, config: ServerConfig) -> FastAPI:
         app.add_middleware(CORSMiddleware, allow_origins=origins, allow_methods=["*"], allow_headers=["*"],
                            expose_headers=["x-should-retry"])
     return app
+
+
+class _WebUIFiles(StaticFiles):
+    """The chat page's files, revalidated on every load (ETag), so an upgrade never mixes versions."""
+
+    def file_response(self, *args, **kwargs) -> Response:
+        response = super().file_response(*args, **kwargs)
+        response.headers["cache-control"] = "no-cache"
+        return response
+
+
+KV_PAGE_STATES = ("total", "used", "cached", "free")
+
+
+def webui_stats(stats: dict, ctx: ServerContext, admission: Admission) -> dict:
+    """GET /v1/kvtier/stats from engine.stats() (kv/stats.py cache_stats keys; zeros where absent)."""
+    cache = stats.get("cache") or {}
+
+    def tier(name: str) -> dict[str, int]:
+        return {f"pages_{s}": int(cache.get(f"{name}_pages_{s}", 0)) for s in KV_PAGE_STATES}
+    return {"model": ctx.model_name, "max_model_len": ctx.max_model_len, "kv_format": stats.get("kv_format"),
+            "running": stats.get("running", 0), "waiting": stats.get("waiting", 0),
+            "active": admission.active, "queued": admission.queued, "gpu": tier("gpu"), "host": tier("host"),
+            "prompt_tokens": int(cache.get("prompt_tokens", 0)),
+            "cached_tokens_gpu": int(cache.get("cached_tokens_gpu", 0)),
+            "cached_tokens_host": int(cache.get("cached_tokens_host", 0))}
 
 
 def _jsonable(obj):
