@@ -63,7 +63,7 @@ SILU_BLOCK = 1024
 ELEMS_PER_WARP = 256
 MAX_WARPS = 8
 # torch rounds x*x, the mean and (mean + eps) as separate ops: no contraction into FMAs (the
-# rotary fma is written explicitly, as torch's addcmul does).
+# rotary fma is written explicitly, as torch's addcmul does). Also Triton 3.10's default.
 FP_FUSION = False
 
 _enabled = True  # flipped only by `disabled()`
@@ -143,7 +143,7 @@ if HAVE_TRITON:
     def _rms_norm_kernel(x_ptr, w_ptr, y_ptr, x_row_stride, eps, inv_h,
                          H: tl.constexpr, BLOCK: tl.constexpr):
         """Program t: y[t] = round(w * round(x[t] * rstd)), rstd = rsqrt(sum(x^2) / H + eps)."""
-        dtype: tl.constexpr = y_ptr.dtype.element_ty
+        dtype = y_ptr.dtype.element_ty
         row = tl.program_id(0).to(tl.int64)
         x_row = x_ptr + row * x_row_stride
         y_row = y_ptr + row * H
@@ -170,7 +170,7 @@ if HAVE_TRITON:
         With x the head's D values and p = roll(x, D/2) (the partner of each element):
         x, p <- round(w * round(x * rstd)) (HAS_NORM); out = round(fma(p, sin, round(x * cos))).
         """
-        dtype: tl.constexpr = q_ptr.dtype.element_ty
+        dtype = q_ptr.dtype.element_ty
         t = tl.program_id(0).to(tl.int64)
         h = tl.program_id(1)
         offs = tl.arange(0, BLOCK_D)
@@ -205,7 +205,7 @@ if HAVE_TRITON:
         EXACT_MATH: libdevice's expf (torch's CUDA silu calls expf) instead of Triton's
         ex2.approx-based exp; the interpreter has no libdevice and uses numpy's exp.
         """
-        dtype: tl.constexpr = out_ptr.dtype.element_ty
+        dtype = out_ptr.dtype.element_ty
         row = tl.program_id(0).to(tl.int64)
         offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         mask = offs < inter
@@ -290,5 +290,5 @@ def silu_mul(gu: torch.Tensor) -> torch.Tensor:
         return out
     _silu_mul_kernel[(t, triton.cdiv(inter, SILU_BLOCK))](gu, out, gu.stride(0), inter, BLOCK=SILU_BLOCK,
                                                           EXACT_MATH=not _interpreting(),
-                                                          num_warps=_warps(SILU_BLOCK))
+                                                          num_warps=_warps(SILU_BLOCK), enable_fp_fusion=FP_FUSION)
     return out
