@@ -14,6 +14,7 @@ from kvtier.config import DEFAULT_PAGE_SIZE, DEFAULT_PREFILL_CHUNK, CacheConfig,
 
 DEFAULT_MODEL = "smollm2-135m"
 EXIT_BAD_INPUT = 2  # bad model file / bad arguments
+EXIT_BROKEN_PIPE = 141  # what a shell reports for a writer killed by SIGPIPE (128 + 13)
 
 console = Console(stderr=True)
 
@@ -194,11 +195,50 @@ def cmd_chat(a: argparse.Namespace) -> int:
     return 0
 
 
+def _cell_text(cell) -> str:
+    from rich.text import Text
+    return cell.plain if isinstance(cell, Text) else Text.from_markup(str(cell)).plain
+
+
+def plain_table(table) -> list[str]:
+    """A rich Table as plain lines: `# title`, the header, then one tab-separated row a line."""
+    lines = [f"# {_cell_text(table.title)}"] if table.title else []
+    cols = table.columns
+    if table.show_header:
+        lines.append("\t".join(_cell_text(c.header) for c in cols))
+    lines += ["\t".join(_cell_text(cell) for cell in row) for row in zip(*(list(c.cells) for c in cols))]
+    return lines
+
+
+def print_tables(*tables, out=None) -> None:
+    """Tables to stdout: rich boxes on a terminal (long cells fold onto more lines, never cut),
+    plain text when piped or redirected, so `kvtier models list | grep NAME` finds whole names."""
+    out = out or sys.stdout
+    if out.isatty():
+        for t in tables:
+            for col in t.columns:
+                if not col.no_wrap:
+                    col.overflow = "fold"
+            Console(file=out).print(t)
+        return
+    for t in tables:
+        out.write("\n".join(plain_table(t)) + "\n")
+
+
+def print_json(obj) -> None:
+    import json
+    print(json.dumps(obj, indent=2, default=str))
+
+
 def cmd_inspect(a: argparse.Namespace) -> int:
     from kvtier.models.hub import resolve_model
     from kvtier.models.inspect import format_inspect, inspect_model
 
-    Console().print(format_inspect(inspect_model(resolve_model(a.model))))
+    info = inspect_model(resolve_model(a.model))
+    if a.json:
+        print_json(info)
+    else:
+        print_tables(*format_inspect(info).renderables)
     return 0
 
 
@@ -206,11 +246,19 @@ def cmd_models(a: argparse.Namespace) -> int:
     from kvtier.models import hub
 
     if a.action == "list":
-        from rich.table import Table
-        t = Table("name", "file", "size", "status")
-        for m in hub.list_models():
-            t.add_row(*[str(x) for x in m.values()][:4])
-        Console().print(t)
+        models = hub.list_models()
+        if a.json:
+            print_json(models)
+            return 0
+        from rich.table import Column, Table
+        t = Table("status", "size", "file", "description")
+        # the name is what people copy: never folded (the description folds instead)
+        t.columns.insert(0, Column("name", no_wrap=True, min_width=max(len(m["name"]) for m in models)))
+        for m in models:
+            size = f"{m['size'] / 2**20:,.0f} MiB" if m["size"] is not None else "-"
+            t.add_row(m["name"], "fetched" if m["fetched"] else "not fetched", size, m["filename"],
+                      m["description"])
+        print_tables(t)
         return 0
     path = hub.fetch(a.name)
     print(path)
@@ -229,8 +277,18 @@ def cmd_bench(a: argparse.Namespace) -> int:
 
 
 def cmd_plan(a: argparse.Namespace) -> int:
-    from kvtier.engine.plan import run_plan
-    return run_plan(a)
+    from kvtier.engine.plan import plan_for_args, render
+
+    plan = plan_for_args(a.model, a.kv_dtype, a.context, a.gpu_memory_limit, a.host_kv_mib)
+    print_tables(render(plan))
+    for n in plan.notes:
+        console.print(f"[yellow]note:[/] {n}")
+    if plan.fits:
+        console.print("[green]fits[/]")
+        return 0
+    for p in plan.problems:
+        console.print(f"[red]does not fit:[/] {p}")
+    return EXIT_BAD_INPUT
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -263,10 +321,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(fn=cmd_chat)
     p = sub.add_parser("inspect", help="describe a model file without loading it")
     p.add_argument("model")
+    p.add_argument("--json", action="store_true", help="print the facts as JSON")
     p.set_defaults(fn=cmd_inspect)
     p = sub.add_parser("models", help="list or fetch named models")
     p.add_argument("action", choices=("list", "fetch"))
     p.add_argument("name", nargs="?")
+    p.add_argument("--json", action="store_true", help="list: one JSON array of the models")
     p.set_defaults(fn=cmd_models)
     p = sub.add_parser("bench", help="decode/prefill tokens/s vs HF transformers")
     _engine_args(p)
@@ -306,6 +366,9 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_BAD_INPUT
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:  # `kvtier models list | head -1`: the reader left; say nothing more
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_BROKEN_PIPE
 
 
 if __name__ == "__main__":

@@ -76,12 +76,14 @@ def get_model(name: str) -> HubModel:
 
 
 def list_models(cache_dir: str | Path | None = None) -> list[dict]:
-    """One dict per named model: name, filename, description, path (or None) and fetched."""
+    """One dict per named model: name, filename, description, sha256, path and size in bytes
+    (None until fetched) and fetched."""
     out = []
     for m in MODELS.values():
         path = _present(m, Path(cache_dir) if cache_dir else default_cache_dir())
         out.append({"name": m.name, "filename": m.filename, "description": m.description,
-                    "sha256": m.sha256, "path": path, "fetched": path is not None})
+                    "sha256": m.sha256, "path": path,
+                    "size": path.stat().st_size if path else None, "fetched": path is not None})
     return out
 
 
