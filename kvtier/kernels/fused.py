@@ -3,8 +3,9 @@
 Decode on a GPU runs many tiny kernels per layer; under CUDA graphs each still costs
 a few microseconds. Three fusions, each one launch:
 
-    rms_norm      x [T, H] -> y [T, H]                 (was pow, mean, add, rsqrt, mul, cast, mul)
-    qk_norm_rope  qkv [T, (Hq + 2 Hkv) * D] -> q, k    (was 2 x norm + 2 x rotary: ~20 kernels)
+    rms_norm      x [T, H] -> y [T, H]                 (was cast, pow, mean, add, rsqrt, mul, cast, mul)
+    qk_norm_rope  qkv [T, (Hq + 2 Hkv) * D] -> q, k    (was 2 x (norm + mul, roll, addcmul): 22 kernels;
+                                                        3 without QK-norm)
     silu_mul      gu [T, 2I] -> silu(gu[:, :I]) * gu[:, I:]   (was silu + mul)
 
 The `*_reference` functions are the plain-PyTorch paths (what RMSNorm, GatedMLP and
@@ -24,7 +25,7 @@ empty outputs without a launch.
 
 Sizes: one program per row for the norm, looping over the row in NORM_BLOCK chunks twice
 (sum of squares, then normalise): hidden sizes up to 8192 take one or two chunks, the second
-pass re-reads the row from L1/L2 (8 KiB at most per row), and any H works. silu_mul is a
+pass re-reads the row from L1/L2 (16 KiB for an 8192-wide bf16 row), and any H works. silu_mul is a
 2-D grid (row, column block) so any I (30000 included) spreads over many programs, also at T=1.
 
 Not fused here: residual add + norm (`add_rms_norm`). The decoder adds residuals inside the
@@ -61,6 +62,7 @@ NORM_BLOCK = 4096
 SILU_BLOCK = 1024
 # Elements per warp that keep ~4-16 values in registers per thread.
 ELEMS_PER_WARP = 256
+# Warps per program at most: a row program's cross-warp reduction grows with more.
 MAX_WARPS = 8
 # torch rounds x*x, the mean and (mean + eps) as separate ops: no contraction into FMAs (the
 # rotary fma is written explicitly, as torch's addcmul does). Also Triton 3.10's default.
