@@ -50,9 +50,10 @@ except ImportError:  # CPU-only installs: only the reference and the heuristic a
 # (sink_k [num_slots, Hkv, D], sink_v [num_slots, Hkv, D], sink_slot [num_pages] int64 page -> slot or -1)
 Sink = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
-# Elements of one K (or V) tile [BLOCK_N, D] held per iteration: 64 tokens at D = 128 keeps a
-# 4-warp program's two decoded tiles in registers (~128 values a thread) without spilling.
-TILE_ELEMS = 8192
+# Bytes of one decoded K (or V) tile [BLOCK_N, D] in the compute dtype: 64 tokens at D = 128 in
+# bf16. Compiled for sm_90 offline: 80-140 registers a thread, no spills, for every format at
+# D = 64..256; fp32 at twice this spilled (D = 64: 128 B, D = 256: 5 KB of stack).
+TILE_BYTES = 16384
 # Tokens per iteration at most (D <= 64): longer tiles add registers, not bandwidth.
 MAX_BLOCK_N = 128
 # Query rows of one kv head are padded to this for tl.dot: Triton pads smaller M to an mma tile
@@ -65,6 +66,8 @@ MIN_DOT_ROWS = 16
 NUM_WARPS = 4
 # Software-pipelining depth of the page loop (next tile's loads overlap this tile's math).
 NUM_STAGES = 2
+# fp32 q: three tf32 tensor-core products (about fp32 accuracy); "ieee" FMA dots spilled at D = 128.
+FP32_DOT = "tf32x3"
 # Splits merged per iteration of the merge kernel (bounds its registers for any num_splits).
 MERGE_CHUNK = 16
 LOG2E = 1.4426950408889634  # exp(x) = exp2(x * LOG2E): the kernels use exp2
@@ -241,9 +244,9 @@ def _is_pow2(n: int) -> bool:
     return n > 0 and n & (n - 1) == 0
 
 
-def pages_per_tile(head_dim: int, page_size: int) -> int:
-    """Pages gathered per loop iteration: BLOCK_N = this * page_size tokens (~TILE_ELEMS / D)."""
-    tokens = min(MAX_BLOCK_N, TILE_ELEMS // head_dim)
+def pages_per_tile(head_dim: int, page_size: int, elem_bytes: int) -> int:
+    """Pages gathered per loop iteration: BLOCK_N = this * page_size tokens (~TILE_BYTES a tile)."""
+    tokens = min(MAX_BLOCK_N, TILE_BYTES // (head_dim * elem_bytes))
     return max(1, tokens // page_size)
 
 
@@ -325,10 +328,10 @@ def paged_decode(q: torch.Tensor, st: dict[str, torch.Tensor], fmt: KVFormat, bl
         q, st["k"], st.get("k_scale", st["k"]), st["v"], st.get("v_scale", st["v"]), block_table, seq_lens,
         sk.contiguous(), sv.contiguous(), slot, dst, lse, scale * LOG2E, q.stride(0), q.stride(1),
         block_table.stride(0), *strides, hkv, g, num_splits,
-        S=s, D=d, G_PAD=max(MIN_DOT_ROWS, _pow2(g)), PAGES=pages_per_tile(d, s),
+        S=s, D=d, G_PAD=max(MIN_DOT_ROWS, _pow2(g)), PAGES=pages_per_tile(d, s, q.element_size()),
         K_MODE=_mode(fmt.k_codec), V_MODE=_mode(fmt.v_codec), K_GROUP=groups[0], V_GROUP=groups[1],
         BIAS=INT4_BIAS, HAS_SINK=sink is not None, SINGLE=single,
-        DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
+        DOT_PREC=FP32_DOT if q.dtype == torch.float32 else "tf32",  # (16-bit operands ignore it)
         num_warps=NUM_WARPS, num_stages=NUM_STAGES)
     if not single:
         _merge_kernel[(bsz, hq)](dst, lse, out, out.stride(0), out.stride(1), hq, num_splits, D=d,
