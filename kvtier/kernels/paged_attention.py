@@ -123,7 +123,8 @@ if HAVE_TRITON:
                 rs = tl.load(scale_ptr + row, mask=valid, other=0.0).to(tl.float32)
         return tile, rs
 
-    @triton.jit
+    # Runtime ints that may be 1 or multiples of 16: not specialised on value (one compile serves all).
+    @triton.jit(do_not_specialize=["Hkv", "G", "num_splits", "stride_bt"])
     def _split_kernel(q_ptr, k_ptr, ks_ptr, v_ptr, vs_ptr, bt_ptr, lens_ptr, sk_ptr, sv_ptr, slot_ptr,
                       o_ptr, lse_ptr, qk_scale, stride_qb, stride_qh, stride_bt, stride_ob, stride_oh,
                       stride_os, Hkv, G, num_splits,
@@ -198,7 +199,7 @@ if HAVE_TRITON:
             lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(l_safe))
             tl.store(lse_ptr + (b * Hkv * G + heads) * num_splits + sp, lse, mask=hm)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["Hq", "num_splits"])
     def _merge_kernel(part_ptr, lse_ptr, out_ptr, stride_ob, stride_oh, Hq, num_splits,
                       D: tl.constexpr, CHUNK: tl.constexpr):
         """One (sequence, query head): out = sum_s exp2(lse_s - lse) * part_s (all -inf: zeros)."""
