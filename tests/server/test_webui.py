@@ -17,7 +17,8 @@ from types import SimpleNamespace
 import httpx
 import pytest
 
-from tests.server.conftest import API_KEY, REPO
+from kvtier.cli import chat_page_url
+from tests.server.conftest import API_KEY, REPO, make_client
 
 CHROMIUM_NAMES = ("chromium", "chromium-browser", "google-chrome")
 UI_TIMEOUT_MS = 30_000  # one short answer from SmolLM2-135M on a slow 2-core CPU, with margin
@@ -25,6 +26,40 @@ ABORT_SETTLE_S = 10  # the server must drop an aborted request well before its 1
 STATUS_RE = re.compile(r"TTFT [\d,]+ ms · [\d.]+ tok/s · prompt ([\d,]+) \(([\d,]+) cached, ([\d,]+) new\) · "
                        r"([\d,]+) generated")
 
+
+# ---- without a browser: routes, auth and headers over the FakeEngine ----------------------------
+
+WEBUI_FILES = ("chat.js", "chat.css", "markdown.js", "store.js", "api.js", "favicon.svg")
+
+
+def test_page_and_assets_are_public_and_the_stats_need_the_key(engine):
+    engine.model_name = "<b>m</b>"
+    with make_client(engine, api_key=API_KEY, model_name="<b>m</b>") as c:
+        page = c.get("/")
+        assert page.status_code == 200 and c.head("/").status_code == 200
+        assert "<b>m</b>" not in page.text and "&lt;b&gt;m&lt;/b&gt;" in page.text
+        csp = page.headers["content-security-policy"]
+        assert "default-src 'self'" in csp and "connect-src 'self'" in csp and "unsafe" not in csp
+        for name in WEBUI_FILES:
+            r = c.get(f"/webui/{name}")
+            assert r.status_code == 200 and r.content and r.headers["cache-control"] == "no-cache", name
+        assert c.get("/webui/nope.js").status_code == 404
+        assert c.get("/v1/kvtier/stats").status_code == 401
+        st = c.get("/v1/kvtier/stats", headers={"Authorization": f"Bearer {API_KEY}"}).json()
+        assert st["max_model_len"] == engine.max_model_len and st["model"] == "<b>m</b>"
+        assert set(st["gpu"]) == {"pages_total", "pages_used", "pages_cached", "pages_free"} == set(st["host"])
+        evil = {"Host": "evil.example:8000"}  # DNS rebinding: the page and its files are refused too
+        assert c.get("/", headers=evil).status_code == 403
+        assert c.get("/webui/chat.js", headers=evil).status_code == 403
+
+
+def test_serve_prints_a_one_time_login_link():
+    assert chat_page_url("127.0.0.1", 8000, None) == "http://127.0.0.1:8000/"
+    assert chat_page_url("0.0.0.0", 80, "a+b/c#d") == "http://127.0.0.1:80/#key=a%2Bb%2Fc%23d"
+    assert chat_page_url("::1", 8000, "k") == "http://[::1]:8000/#key=k"
+
+
+# ---- in Chromium, against `kvtier serve` on the embedded model ----------------------------------
 
 def _browser_or_reason() -> tuple[str | None, str]:
     path = os.environ.get("KVTIER_CHROMIUM") or next(filter(None, map(shutil.which, CHROMIUM_NAMES)), None)
@@ -86,16 +121,41 @@ def _send(page, text: str) -> None:
 
 
 def _set(page, **fields: str) -> None:
-    """Change settings through the form, as a user would."""
-    page.click("#settings summary")
+    """Change settings through the form, as a user would, and fold the form again."""
+    if not page.locator("#settings").evaluate("d => d.open"):
+        page.click("#settings summary")
     for name, value in fields.items():
         page.fill(f"#set-{name}", value)
         page.locator(f"#set-{name}").dispatch_event("change")
     page.click("#settings summary")
 
 
+MARKDOWN_ATTACKS = "\n".join([
+    "<img src=x onerror=alert(1)> <script>alert(2)</script> **<b>bold</b>**",
+    "[click](javascript:alert(3)) [ok](https://example.org/?a=1&b=\"2\") ![img](https://example.org/x.png)",
+    "`<i>code</i>` and *em \" onmouseover=alert(4) x=\"*",
+    "```html", "<iframe src=//example.org></iframe>", "```",
+    "| a | <svg onload=alert(5)> |", "|---|---|", "| <u>1</u> | 2 |",
+])
+ALLOWED_TAGS = {"P", "BR", "STRONG", "EM", "DEL", "CODE", "PRE", "A", "UL", "OL", "LI", "H1", "H2", "H3", "H4", "H5",
+                "H6", "BLOCKQUOTE", "HR", "DIV", "SPAN", "BUTTON", "TABLE", "THEAD", "TBODY", "TR", "TH", "TD"}
+
+
 def test_page_logs_in_and_loads_from_this_server_only(ui, real_server):
     page = ui.page
+    page.goto(real_server.url + "/")  # no key yet: the page loads, and asks for one
+    page.wait_for_selector("#notice >> text=needs an API key")
+    # The markdown renderer leaves model text inert: only its own tags, no handlers, safe links.
+    tags, attrs, hrefs = page.evaluate("""src => {
+        const t = document.createElement("template");
+        t.innerHTML = KvMarkdown.render(src);
+        const els = [...t.content.querySelectorAll("*")];
+        return [[...new Set(els.map(e => e.tagName))], els.flatMap(e => e.getAttributeNames()),
+                els.filter(e => e.tagName === "A").map(e => e.getAttribute("href"))];
+    }""", MARKDOWN_ATTACKS)
+    assert set(tags) <= ALLOWED_TAGS and "A" in tags and "PRE" in tags, tags
+    assert set(attrs) <= {"class", "href", "target", "rel", "type"}, attrs
+    assert hrefs == ['https://example.org/?a=1&b="2"', "https://example.org/x.png"], hrefs
     page.goto(f"{real_server.url}/#key={API_KEY}")
     page.wait_for_selector("#pool .bar")  # /v1/kvtier/stats answered with the key
     assert "key=" not in page.url, "the one-time #key= fragment must leave the address bar"

@@ -385,12 +385,13 @@
   }
 
   function poolGauge(box, name, tier) {
-    const pct = tier.pages_total ? Math.round((100 * (tier.pages_used + tier.pages_cached)) / tier.pages_total) : 0;
+    const held = tier.pages_used + tier.pages_cached;
+    const pct = tier.pages_total ? (100 * held) / tier.pages_total : 0;
     const bar = el("div", "bar small"), used = el("span", "seg used"), cache = el("span", "seg cache");
     bar.append(used, cache);
     setSeg(used, tier.pages_used, tier.pages_total);
     setSeg(cache, tier.pages_cached, tier.pages_total);
-    box.append(el("span", "tier", name), bar, el("span", "tier", `${pct}%`));
+    box.append(el("span", "tier", name), bar, el("span", "tier", held && pct < 1 ? "<1%" : `${Math.round(pct)}%`));
   }
 
   async function refreshStats() {
@@ -438,6 +439,9 @@
 
   // ---- start --------------------------------------------------------------------
   KvStore.takeKeyFromUrl();
+  window.addEventListener("hashchange", () => {  // a login link opened in this tab again
+    if (KvStore.takeKeyFromUrl()) { loadSettings(); refreshStats(); }
+  });
   loadSettings();
   $("model").textContent = modelName;
   $("empty-model").textContent = modelName || "the model";

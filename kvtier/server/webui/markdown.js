@@ -70,9 +70,10 @@ const KvMarkdown = (() => {
   }
 
   function spans(raw) {
-    // Links are cut out before escaping so the URL can be checked as written.
+    // Links are cut out before escaping so the URL can be checked as written. Images become
+    // links too: the page never loads anything a model names.
     let out = "", last = 0, m;
-    const link = /\[([^\]\n]+)\]\(([^)\s]+)\)/g;
+    const link = /!?\[([^\]\n]+)\]\(([^)\s]+)\)/g;
     while ((m = link.exec(raw)) !== null) {
       out += emphasis(esc(raw.slice(last, m.index)));
       const url = safeUrl(m[2]);
