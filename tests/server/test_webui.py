@@ -36,7 +36,7 @@ def test_page_and_assets_are_public_and_the_stats_need_the_key(engine):
     engine.model_name = "<b>m</b>"
     with make_client(engine, api_key=API_KEY, model_name="<b>m</b>") as c:
         page = c.get("/")
-        assert page.status_code == 200 and c.head("/").status_code == 200
+        assert page.status_code == 200
         assert "<b>m</b>" not in page.text and "&lt;b&gt;m&lt;/b&gt;" in page.text
         csp = page.headers["content-security-policy"]
         assert "default-src 'self'" in csp and "connect-src 'self'" in csp and "unsafe" not in csp
