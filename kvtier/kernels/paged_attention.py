@@ -251,6 +251,17 @@ def pages_per_tile(head_dim: int, page_size: int, elem_bytes: int) -> int:
     return max(1, tokens // page_size)
 
 
+def split_constants(fmt: KVFormat, head_dim: int, page_size: int, gqa: int, dtype: torch.dtype,
+                    has_sink: bool, single: bool) -> dict[str, object]:
+    """The tl.constexpr arguments of the split kernel (one compiled variant per distinct dict)."""
+    groups = [c.group_for(head_dim) if isinstance(c, Int4Codec) else 1 for c in (fmt.k_codec, fmt.v_codec)]
+    return dict(S=page_size, D=head_dim, G_PAD=max(MIN_DOT_ROWS, _pow2(gqa)),
+                PAGES=pages_per_tile(head_dim, page_size, torch.empty((), dtype=dtype).element_size()),
+                K_MODE=_mode(fmt.k_codec), V_MODE=_mode(fmt.v_codec), K_GROUP=groups[0], V_GROUP=groups[1],
+                BIAS=INT4_BIAS, HAS_SINK=has_sink, SINGLE=single,
+                DOT_PREC=FP32_DOT if dtype == torch.float32 else "tf32")  # (16-bit operands ignore it)
+
+
 def choose_num_splits(batch: int, kv_heads: int, max_context: int, page_size: int, num_sms: int) -> int:
     """Splits per (sequence, kv head) for paged_decode: enough programs for the GPU, none tiny.
 
@@ -323,16 +334,11 @@ def paged_decode(q: torch.Tensor, st: dict[str, torch.Tensor], fmt: KVFormat, bl
         lse = torch.empty((bsz, hq, num_splits), dtype=torch.float32, device=q.device)
         strides = (dst.stride(0), dst.stride(1), dst.stride(2))
     sk, sv, slot = sink if sink is not None else (q, q, block_table)  # unused placeholders
-    groups = [c.group_for(d) if isinstance(c, Int4Codec) else 1 for c in (fmt.k_codec, fmt.v_codec)]
-    g = hq // hkv
     _split_kernel[(bsz, hkv, num_splits)](
         q, st["k"], st.get("k_scale", st["k"]), st["v"], st.get("v_scale", st["v"]), block_table, seq_lens,
         sk.contiguous(), sv.contiguous(), slot, dst, lse, scale * LOG2E, q.stride(0), q.stride(1),
-        block_table.stride(0), *strides, hkv, g, num_splits,
-        S=s, D=d, G_PAD=max(MIN_DOT_ROWS, _pow2(g)), PAGES=pages_per_tile(d, s, q.element_size()),
-        K_MODE=_mode(fmt.k_codec), V_MODE=_mode(fmt.v_codec), K_GROUP=groups[0], V_GROUP=groups[1],
-        BIAS=INT4_BIAS, HAS_SINK=sink is not None, SINGLE=single,
-        DOT_PREC=FP32_DOT if q.dtype == torch.float32 else "tf32",  # (16-bit operands ignore it)
+        block_table.stride(0), *strides, hkv, hq // hkv, num_splits,
+        **split_constants(fmt, d, s, hq // hkv, q.dtype, sink is not None, single),
         num_warps=NUM_WARPS, num_stages=NUM_STAGES)
     if not single:
         _merge_kernel[(bsz, hq)](dst, lse, out, out.stride(0), out.stride(1), hq, num_splits, D=d,
