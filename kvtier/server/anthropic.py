@@ -85,7 +85,9 @@ def _messages(body: _AnthropicBase) -> tuple[list[dict], str]:
         msgs.append({"role": "system", "content": system})
     for i, m in enumerate(body.messages):
         where = f"messages[{i}].content"
-        if isinstance(m.content, str):
+        if m.role == "system":  # mid-conversation system turns (Claude Code's beta): rendered in place
+            msgs.append({"role": "system", "content": _block_text(m.content, where)})
+        elif isinstance(m.content, str):
             msgs.append({"role": m.role, "content": m.content})
         elif m.role == "user":
             msgs += _user_blocks(m.content, where)
@@ -122,9 +124,10 @@ def messages_to_prepared(ctx: ServerContext, body: MessagesRequest) -> Prepared:
     """The one function from an Anthropic Messages request to an engine request."""
     msgs, prefill = _messages(body)
     tools = _tools(body)
+    # max_tokens is a cap: clients send one per model family (Claude Code: 32000), past a local context.
     return prepare(ctx, new_id("msg_"), msgs, tools, _choice(body, tools), OutputFormat(), body,
                    body.max_tokens, tuple(s for s in body.stop_sequences or () if s), _thinking(body),
-                   prefill=prefill)
+                   prefill=prefill, clamp_max_tokens=True)
 
 
 # ---- engine -> response ------------------------------------------------------------

@@ -20,7 +20,7 @@ from starlette.staticfiles import StaticFiles
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from kvtier.config import ServerConfig
-from kvtier.server import anthropic, openai, responses
+from kvtier.server import anthropic, openai, probes, responses
 from kvtier.server.context import Admission, GrammarProvider, ServerContext
 from kvtier.server.errors import (OPENAI_ERROR_RESPONSES, APIError, error_response, flavor_for_path,
                                   validation_message)
@@ -31,8 +31,8 @@ log = logging.getLogger("kvtier.server")
 LOOPBACK_BINDS = ("127.0.0.1", "localhost", "::1")
 # Host names a browser can only reach on this machine (anything else on a loopback bind is DNS rebinding).
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1", "[::1]")
-# Paths anyone who can reach the server may read: liveness and the chat page itself.
-PUBLIC_PATHS = ("/", "/health", "/openapi.json", "/docs")
+# Paths anyone who can reach the server may read: liveness, the API roots and the chat page itself.
+PUBLIC_PATHS = ("/", "/health", "/openapi.json", "/docs", "/v1", "/v1/")
 # The chat page's static files (kvtier/server/webui/): public like the page; its API calls carry the key.
 WEBUI_PREFIX = "/webui/"
 # The chat page may load and call only this server (model text can't pull in anything else).
@@ -172,6 +172,7 @@ def create_app(engine, config: ServerConfig) -> FastAPI:
     app.include_router(openai.router)
     app.include_router(responses.router)
     app.include_router(anthropic.router)
+    app.include_router(probes.router)
 
     @app.get("/health", tags=["server"])
     async def health() -> dict:
@@ -197,6 +198,7 @@ def create_app(engine, config: ServerConfig) -> FastAPI:
         """The chat page's gauges: context window, KV pages per tier, requests in flight."""
         return webui_stats(engine.stats(), ctx, admission)
 
+    app.add_middleware(probes.HeadAsGet)  # inside Guard: a HEAD is checked like its GET
     app.add_middleware(Guard, config=config, metrics=metrics)
     if config.cors:
         from fastapi.middleware.cors import CORSMiddleware

@@ -28,6 +28,8 @@ HERMES_TOOL_PROMPT = (
     "within <tool_call></tool_call> XML tags:\n<tool_call>\n"
     '{{"name": <function-name>, "arguments": <args-json-object>}}\n</tool_call>')
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+# How a mid-conversation system turn reads when the template only takes system text first.
+SYSTEM_OPEN, SYSTEM_CLOSE = "<system>\n", "\n</system>"
 
 
 @dataclass(frozen=True)
@@ -160,9 +162,41 @@ def _fold_reasoning(messages: list[dict]) -> list[dict]:
     return out
 
 
+def _late_system_texts(messages: list[dict]) -> list[str]:
+    return [m.get("content") or "" for i, m in enumerate(messages) if i > 0 and m["role"] == "system"]
+
+
+def fold_late_system(messages: list[dict]) -> list[dict]:
+    """System turns after the first message, for templates that refuse or drop them.
+
+    Each becomes `<system>TEXT</system>` user text, merged with a neighbouring plain user turn
+    (the previous one if it is plain user text, else the next), so roles still alternate and the
+    turns before it render as they did (the prefix cache keeps them). A leading system message
+    stays where it is.
+    """
+    out: list[dict] = []
+    for i, m in enumerate(messages):
+        if i > 0 and m["role"] == "system":
+            m = {"role": "user", "content": f"{SYSTEM_OPEN}{m.get('content') or ''}{SYSTEM_CLOSE}"}
+        if m["role"] == "user" and out and _plain_user(out[-1]) and _plain_user(m):
+            out[-1] = {**out[-1], "content": out[-1]["content"] + "\n\n" + m["content"]}
+        else:
+            out.append(m)
+    return out
+
+
+def _plain_user(m: dict) -> bool:
+    return m["role"] == "user" and isinstance(m.get("content"), str) and set(m) <= {"role", "content"}
+
+
 def render_prompt(tokenizer, messages: list[dict], tools: list[dict] | None,
                   template_kwargs: dict | None = None) -> str:
-    """Render with the model's own chat template (Hermes tool prompt if it has no tool support)."""
+    """Render with the model's own chat template (Hermes tool prompt if it has no tool support).
+
+    System turns may come anywhere (Anthropic clients send them mid-conversation): they render
+    in place, as system turns, when the template accepts them; when it raises or leaves their
+    text out, they are folded into user turns (`fold_late_system`) and rendered again.
+    """
     template = tokenizer.chat_template or ""
     native_tools = bool(tokenizer.has_tool_support)
     msgs = messages if native_tools else _hermes_messages(messages, tools)
@@ -172,10 +206,22 @@ def render_prompt(tokenizer, messages: list[dict], tools: list[dict] | None,
         m.setdefault("content", "")
         if m["content"] is None:
             m["content"] = ""
-    kwargs = dict(template_kwargs or {})
+    late = _late_system_texts(msgs)
     try:
-        return tokenizer.apply_chat_template(msgs, tools=tools if native_tools and tools else None,
-                                             add_generation_prompt=True, **kwargs)
+        text = _apply_template(tokenizer, msgs, tools if native_tools and tools else None, template_kwargs)
+        if all(t.strip() in text for t in late):
+            return text
+    except APIError:
+        if not late:
+            raise
+    return _apply_template(tokenizer, fold_late_system(msgs), tools if native_tools and tools else None,
+                           template_kwargs)
+
+
+def _apply_template(tokenizer, msgs: list[dict], tools: list[dict] | None, template_kwargs: dict | None) -> str:
+    try:
+        return tokenizer.apply_chat_template(msgs, tools=tools, add_generation_prompt=True,
+                                             **dict(template_kwargs or {}))
     except APIError:
         raise
     except Exception as e:  # template errors (role order, missing fields) are the client's
@@ -193,12 +239,16 @@ def starts_in_reasoning(prompt_text: str) -> bool:
     return tail.endswith(THINK_OPEN)
 
 
-def resolve_max_tokens(requested: int | None, prompt_len: int, limit: int) -> int:
-    """The completion budget; 400 (naming the lengths) when prompt + request exceed the context."""
-    if requested is None:
+def resolve_max_tokens(requested: int | None, prompt_len: int, limit: int, clamp: bool = False) -> int:
+    """The completion budget; 400 (naming the lengths) when prompt + request exceed the context.
+
+    clamp: a request past the context is cut to the rest of it instead (the prompt itself must
+    still fit); for APIs whose clients send one fixed cap whatever the model (Claude Code: 32000).
+    """
+    if requested is None or (clamp and prompt_len < limit):
         if prompt_len >= limit:
             raise overflow_error_from(ContextOverflowError(prompt_len, 1, limit))
-        return limit - prompt_len
+        return limit - prompt_len if requested is None else min(requested, limit - prompt_len)
     if prompt_len + requested > limit:
         raise overflow_error_from(ContextOverflowError(prompt_len, requested, limit))
     return requested
@@ -240,16 +290,17 @@ def check_tool_choice(choice: ToolChoice, tools: list[dict] | None) -> None:
 
 def prepare(ctx, request_id: str, messages: list[dict], tools: list[dict] | None, choice: ToolChoice,
             fmt: OutputFormat, body: Any, max_tokens: int | None, stop: tuple[str, ...],
-            template_kwargs: dict | None = None, prefill: str = "") -> Prepared:
+            template_kwargs: dict | None = None, prefill: str = "", clamp_max_tokens: bool = False) -> Prepared:
     """The shared tail of every API's conversion: render, encode, budget, grammar.
 
-    `prefill` continues a trailing assistant turn (Anthropic-style) verbatim.
+    `prefill` continues a trailing assistant turn (Anthropic-style) verbatim; `clamp_max_tokens`
+    cuts a budget past the context to what is left (see `resolve_max_tokens`).
     """
     check_tool_choice(choice, tools)
     offered = tools if choice.mode != "none" else None
     text = render_prompt(ctx.tokenizer, messages, offered, template_kwargs) + prefill
     ids = ctx.outputs.encode(ctx.tokenizer, text)  # earlier replies keep their own token ids
-    budget = resolve_max_tokens(max_tokens, len(ids), ctx.max_model_len)
+    budget = resolve_max_tokens(max_tokens, len(ids), ctx.max_model_len, clamp=clamp_max_tokens)
     params = sampling_params(body, budget, stop)
     grammar = ctx.grammars.for_request(offered, choice, fmt)
     return Prepared(request=Request(request_id, ids, params, grammar=grammar),

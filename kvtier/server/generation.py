@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import TypeVar
 
 from kvtier.engine.request import ContextOverflowError, Output, Progress, Request, Usage
+from kvtier.server.bare_calls import BareCallHold
 from kvtier.server.history import OutputMemory
 from kvtier.server.parsing import (OutputParser, ReasoningDelta, TextDelta, ToolCallArgsDelta,
                                    ToolCallEnd, ToolCallStart)
@@ -154,6 +155,7 @@ async def run_events(engine, prep: Prepared) -> AsyncIterator[object]:
     plog = ProgressLog(req)
     names: dict[int, str] = {}
     ws = _WhitespaceHold()
+    bare = BareCallHold(prep.tool_names if prep.tools else ())
     done = False
     text, ids = [], []
     stream = engine.generate(req)
@@ -169,7 +171,8 @@ async def run_events(engine, prep: Prepared) -> AsyncIterator[object]:
             events = parser.feed(out.text) if out.text else []
             if out.finished:
                 events += parser.finish(out.finish_reason == "length")
-            for ev in ws.filter(events, final=out.finished, drop=bool(parser.tool_calls)):
+            events = ws.filter(events, final=out.finished, drop=bool(parser.tool_calls))
+            for ev in bare.filter(events, final=out.finished):
                 phase = _phase(ev, names)
                 if phase:
                     plog.phase = phase
@@ -180,7 +183,7 @@ async def run_events(engine, prep: Prepared) -> AsyncIterator[object]:
                     _remember(prep.memory, out, "".join(text), ids)
                 reason = out.finish_reason
                 if reason in ("stop", "length"):  # tool_calls when calls were made; length if cut in one
-                    reason = parser.finish_reason(reason)
+                    reason = "tool_calls" if bare.calls else parser.finish_reason(reason)
                 yield Finished(reason, out.usage, out.stop_reason, out.error)
                 return
         done = True

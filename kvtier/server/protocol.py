@@ -167,7 +167,8 @@ class ResponsesRequest(Sampling):
 # ---- /v1/messages ------------------------------------------------------------
 
 class AnthropicMessage(_Lenient):
-    role: Literal["user", "assistant"]
+    # "system" anywhere in messages: Claude Code's mid-conversation system beta
+    role: Literal["user", "assistant", "system"]
     content: str | list[dict[str, Any]]
 
 

@@ -63,9 +63,12 @@ def test_context_overflow_names_the_lengths(client, engine):
     assert "100" in err["message"] and "90" in err["message"] and err["code"] == "context_length_exceeded"
     long = [{"role": "user", "content": "word " * 200}]
     _openai_error(client.post("/v1/chat/completions", json={"model": MODEL, "messages": long}), 400)
-    err = _anthropic_error(client.post("/v1/messages", json={"model": MODEL, "max_tokens": 90, "messages": MSG}),
+    err = _anthropic_error(client.post("/v1/messages", json={"model": MODEL, "max_tokens": 90, "messages": long}),
                            400, "invalid_request_error")
     assert "100" in err["message"]
+    # Anthropic's max_tokens past the context is cut to the rest of it (clients send 32000 whatever the model)
+    assert client.post("/v1/messages", json={"model": MODEL, "max_tokens": 90, "messages": MSG}).status_code == 200
+    assert engine.requests[-1].params.max_tokens == 100 - len(engine.requests[-1].prompt_token_ids)
     # no max_tokens: the budget is the rest of the context
     r = client.post("/v1/chat/completions", json={"model": MODEL, "messages": MSG})
     assert r.status_code == 200

@@ -1,0 +1,122 @@
+"""The real agent CLIs (Claude Code, Codex) through one tool-using turn against `kvtier serve`.
+
+The clients come from npm (`make install-test` puts them in .venv/npm when npm exists; or set
+KVTIER_AGENT_CLIENTS to a `node_modules/.bin` folder); without them these tests skip.
+
+Model: Qwen2.5-Coder-0.5B (the `qwen_coder_05b_path` fixture). The embedded SmolLM2-135M cannot
+drive a tool call. The 0.5B model writes its calls as bare or fenced JSON (no <tool_call> tags,
+which kvtier accepts as llama.cpp does) and the clients sample at temperature 1 (neither sends a
+temperature), so a turn sometimes calls a wrong command: each client gets MAX_ATTEMPTS tries.
+Claude Code runs `--bare` with only the Bash tool and a one-line system prompt (~560 prompt
+tokens); its default prompt is ~12K tokens, several minutes of prefill on 2 CPU cores. Codex
+runs with its defaults (~6K tokens).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.server.conftest import REPO, ServerProcess
+
+CLIENT_BIN = Path(os.environ.get("KVTIER_AGENT_CLIENTS", REPO / ".venv" / "npm" / "node_modules" / ".bin"))
+MAX_ATTEMPTS = 3  # temperature-1 sampling on a 0.5B model: a turn may run a wrong command
+TURN_TIMEOUT_S = 420  # one client run, prefill of a ~6K-token prompt on a busy 2-core box included
+TASK = "echo hi > hello.txt && cat hello.txt"
+SERVED = "qwen2.5-coder-0.5b"
+
+
+def _client(name: str) -> Path:
+    if shutil.which("node") is None or shutil.which("npm") is None:
+        pytest.skip("node/npm not installed: the agent clients come from npm")
+    path = CLIENT_BIN / name
+    if not path.exists():
+        pytest.skip(f"{path} missing: run `make install-test` (npm install --prefix .venv/npm ...)")
+    return path
+
+
+@pytest.fixture(scope="module")
+def qwen_server(qwen_coder_05b_path):
+    srv = ServerProcess([sys.executable, "-m", "kvtier", "serve", "--model", str(qwen_coder_05b_path),
+                         "--served-name", SERVED, "--device", "cpu", "--max-model-len", "16384"])
+    yield srv
+    srv.stop()
+
+
+def _statuses(srv: ServerProcess, path: str) -> list[int]:
+    """Status codes of `path` requests from the server's access log."""
+    return [int(s) for s in re.findall(rf'"(?:POST|GET|HEAD) {re.escape(path)}\S* HTTP/1.1" (\d+)', srv.output())]
+
+
+def _attempts(run, workdir: Path) -> tuple[int, list]:
+    results = []
+    for i in range(MAX_ATTEMPTS):
+        shutil.rmtree(workdir, ignore_errors=True)
+        workdir.mkdir()
+        results.append(run(workdir))
+        if (workdir / "hello.txt").exists():
+            return i + 1, results
+    return 0, results
+
+
+def test_claude_code_tool_turn(qwen_server, tmp_path):
+    claude = _client("claude")
+    home = tmp_path / "home"
+    home.mkdir()
+    env = {**os.environ, "HOME": str(home), "ANTHROPIC_BASE_URL": qwen_server.url, "ANTHROPIC_API_KEY": "unused",
+           "ANTHROPIC_MODEL": SERVED, "ANTHROPIC_SMALL_FAST_MODEL": SERVED, "DISABLE_TELEMETRY": "1",
+           "DISABLE_AUTOUPDATER": "1", "DISABLE_ERROR_REPORTING": "1", "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1"}
+
+    def run(workdir: Path) -> list[dict]:
+        cmd = [str(claude), "-p", f"Use the Bash tool to run this command: {TASK}", "--output-format", "stream-json",
+               "--verbose", "--bare", "--tools", "Bash", "--allowedTools", "Bash", "--max-turns", "3",
+               "--system-prompt", "You are a coding agent. Call the tools to act."]
+        p = subprocess.run(cmd, cwd=workdir, env=env, capture_output=True, text=True, timeout=TURN_TIMEOUT_S)
+        return [json.loads(ln) for ln in p.stdout.splitlines() if ln.startswith("{")]
+
+    attempt, runs = _attempts(run, tmp_path / "work")
+    statuses = _statuses(qwen_server, "/v1/messages")
+    assert statuses and all(s == 200 for s in statuses), statuses
+    assert attempt, f"no run of {MAX_ATTEMPTS} wrote hello.txt: {[r[-1].get('result') for r in runs if r]}"
+    events = runs[attempt - 1]
+    assert any(b.get("type") == "tool_use" and b.get("name") == "Bash"
+               for e in events if e.get("type") == "assistant" for b in e["message"]["content"])
+    assert (tmp_path / "work" / "hello.txt").read_text().strip() == "hi"
+    result = events[-1]
+    assert result["type"] == "result" and not result["is_error"]
+    # the turn after the tool call read the first request's whole prompt from the prefix cache
+    assert result["usage"]["cache_read_input_tokens"] > 0
+
+
+def test_codex_tool_turn(qwen_server, tmp_path):
+    codex = _client("codex")
+    home = tmp_path / "codex-home"
+    home.mkdir()
+    (home / "config.toml").write_text(
+        f'model = "{SERVED}"\nmodel_provider = "kvtier"\ncheck_for_update_on_startup = false\n\n'
+        f'[model_providers.kvtier]\nname = "kvtier"\nbase_url = "{qwen_server.url}/v1"\nwire_api = "responses"\n')
+    env = {**os.environ, "CODEX_HOME": str(home), "HOME": str(tmp_path)}
+
+    def run(workdir: Path) -> list[dict]:
+        cmd = [str(codex), "exec", "--json", "--skip-git-repo-check", "-s", "danger-full-access",
+               f"Run this shell command with the exec_command tool: {TASK}"]
+        p = subprocess.run(cmd, cwd=workdir, env=env, capture_output=True, text=True, timeout=TURN_TIMEOUT_S,
+                           stdin=subprocess.DEVNULL)
+        return [json.loads(ln) for ln in p.stdout.splitlines() if ln.startswith("{")]
+
+    attempt, runs = _attempts(run, tmp_path / "work")
+    statuses = _statuses(qwen_server, "/v1/responses")
+    assert statuses and all(s == 200 for s in statuses), statuses
+    assert attempt, f"no run of {MAX_ATTEMPTS} wrote hello.txt: {runs}"
+    events = runs[attempt - 1]
+    assert any(e.get("type") == "item.completed" and e["item"].get("type") == "command_execution"
+               for e in events), events
+    done = [e for e in events if e.get("type") == "turn.completed"]
+    assert done and done[-1]["usage"]["cached_input_tokens"] > 0, done
