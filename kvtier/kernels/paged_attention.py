@@ -123,6 +123,18 @@ if HAVE_TRITON:
                 rs = tl.load(scale_ptr + row, mask=valid, other=0.0).to(tl.float32)
         return tile, rs
 
+    @triton.jit
+    def _sink_start(q, sk_ptr, sv_ptr, srow, use, qk_scale, m_i, l_i, acc, D: tl.constexpr):
+        """Softmax state (m_i, l_i, acc) with the sink row at `srow` as its first key where `use`.
+
+        q: [G_PAD, D]; sink K/V rows of D values in the compute dtype.
+        """
+        d = tl.arange(0, D)
+        sk = tl.load(sk_ptr + srow + d).to(tl.float32)  # [D]
+        sv = tl.load(sv_ptr + srow + d).to(tl.float32)
+        s0 = tl.sum(q.to(tl.float32) * sk[None, :], axis=1) * qk_scale  # [G_PAD]
+        return tl.where(use, s0, m_i), tl.where(use, 1.0, l_i), tl.where(use, acc + sv[None, :], acc)
+
     # Runtime ints that may be 1 or multiples of 16: not specialised on value (one compile serves all).
     @triton.jit(do_not_specialize=["Hkv", "G", "num_splits", "stride_bt"])
     def _split_kernel(q_ptr, k_ptr, ks_ptr, v_ptr, vs_ptr, bt_ptr, lens_ptr, sk_ptr, sv_ptr, slot_ptr,
@@ -155,14 +167,9 @@ if HAVE_TRITON:
         if HAS_SINK:
             slot = tl.load(slot_ptr + tl.load(bt_ptr + b * stride_bt))
             t_lo = tl.where(slot >= 0, 1, 0)
-            srow = (tl.maximum(slot, 0) * Hkv + h) * D + d
-            sk = tl.load(sk_ptr + srow).to(tl.float32)  # [D]
-            sv = tl.load(sv_ptr + srow).to(tl.float32)
-            s0 = tl.sum(q.to(tl.float32) * sk[None, :], axis=1) * qk_scale  # [G_PAD]
             use = (slot >= 0) & (sp == 0) & (seq_len > 0)  # split 0 starts from the sink row
-            m_i = tl.where(use, s0, m_i)
-            l_i = tl.where(use, 1.0, l_i)
-            acc = tl.where(use, acc + sv[None, :], acc)
+            m_i, l_i, acc = _sink_start(q, sk_ptr, sv_ptr, (tl.maximum(slot, 0) * Hkv + h) * D, use, qk_scale,
+                                        m_i, l_i, acc, D)
 
         offs = tl.arange(0, BLOCK_N)
         in_page = offs % S
