@@ -304,6 +304,8 @@
             if (got) {
               deltas++;
               if (tFirst === null) { tFirst = performance.now(); s.ttft_ms = tFirst - t0; delete s.progress; }
+              const secs = (performance.now() - tFirst) / 1000;
+              if (secs > 0.5) s.tok_s = (deltas - 1) / secs;  // live estimate: about one token per delta
             }
           }
           redraw();
