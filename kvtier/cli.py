@@ -10,7 +10,7 @@ import uuid
 
 from rich.console import Console
 
-from kvtier.config import DEFAULT_PAGE_SIZE, DEFAULT_PREFILL_CHUNK, CacheConfig, EngineConfig, ServerConfig
+from kvtier.config import CUDA_PREFILL_CHUNK, DEFAULT_PAGE_SIZE, DEFAULT_PREFILL_CHUNK, CacheConfig, EngineConfig, ServerConfig
 
 DEFAULT_MODEL = "smollm2-135m"
 EXIT_BAD_INPUT = 2  # bad model file / bad arguments
@@ -36,7 +36,9 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host-kv-mib", type=int, default=0, help="pinned host-RAM KV tier size")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--max-batch", type=int, default=32)
-    p.add_argument("--prefill-chunk", type=int, default=DEFAULT_PREFILL_CHUNK)
+    p.add_argument("--prefill-chunk", type=int, default=None,
+                   help=f"tokens per prefill step (default {DEFAULT_PREFILL_CHUNK} on CPU, "
+                        f"{CUDA_PREFILL_CHUNK} on CUDA)")
     p.add_argument("--no-prefix-cache", action="store_true")
     p.add_argument("--threads", type=int, default=None)
 

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from kvtier.config import EngineConfig
+from kvtier.config import EngineConfig, prefill_chunk_for
 from kvtier.engine.request import ContextOverflowError, Output, Progress, Request, Usage
 from kvtier.engine.runner import ModelRunner
 from kvtier.engine.sampler import sample
@@ -99,10 +99,11 @@ class Engine:
         self.manager = CacheManager(num_pages, cc.page_size, num_host_pages=host_pages,
                                     enable_prefix=cc.enable_prefix_cache,
                                     namespace=f"{model_name}|{fmt.name}")
-        self.scheduler = Scheduler(self.manager, config.max_batch, config.prefill_chunk)
+        chunk = prefill_chunk_for(self.device.type, config.prefill_chunk)
+        self.scheduler = Scheduler(self.manager, config.max_batch, chunk)
         backend = make_backend(backend_name, self.pool, scale=spec.head_dim ** -0.5, host_store=self.host_pool)
         self.runner = ModelRunner(model, self.pool, backend, self.device, self.host_pool,
-                                  max_seqs=config.max_batch, max_tokens=config.max_batch + config.prefill_chunk,
+                                  max_seqs=config.max_batch, max_tokens=config.max_batch + chunk,
                                   max_model_len=self.max_model_len, scratch_page=scratch)
         self.graph_capture_seconds = self.runner.capture_graphs() if graphs else 0.0
         self._seqs: dict[str, Sequence] = {}

@@ -18,7 +18,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from kvtier.config import DEFAULT_PAGE_SIZE, DEFAULT_PREFILL_CHUNK, EngineConfig, ModelSpec
+from kvtier.config import DEFAULT_PAGE_SIZE, DEFAULT_PREFILL_CHUNK, EngineConfig, ModelSpec, prefill_chunk_for
 
 GIB = 2**30
 MIB = 2**20
@@ -221,7 +221,7 @@ def checked_engine_config(config: EngineConfig, model: str, gpu_memory_limit: st
         return config
     cc = config.cache
     plan = plan_for_args(model, cc.kv_dtype, config.max_model_len, gpu_memory_limit, cc.host_kv_mib,
-                         config.prefill_chunk)
+                         prefill_chunk_for("cuda", config.prefill_chunk))
     problems = list(plan.problems)
     room = (plan.gpu_limit or 0) - plan.weight_bytes - plan.scratch_bytes - plan.reserve_bytes
     if cc.gpu_kv_mib is not None and cc.gpu_kv_mib * MIB > room:

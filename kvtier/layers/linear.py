@@ -113,9 +113,15 @@ class Linear(torch.nn.Module):
         return F.linear(x, self.weight, self.bias)
 
     def add_to(self, residual: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """residual + x @ W^T (+ b) in one GEMM call. residual: [T, out], x: [T, in] -> [T, out]"""
+        """residual + x @ W^T (+ b) in one GEMM call. residual: [T, out], x: [T, in] -> [T, out]
+
+        On CUDA the sum is written into `residual` (the decoder's residual stream is not read
+        again after this add)."""
         if self._uses_quantized(x):
             return self.forward(x).add_(residual)
+        if residual.is_cuda:  # in place: torch.addmm would first copy the residual (one more kernel)
+            out = residual.addmm_(x, self.weight.t())
+            return out if self.bias is None else out.add_(self.bias)
         out = torch.addmm(residual, x, self.weight.t())
         return out if self.bias is None else out.add_(self.bias)
 
