@@ -345,6 +345,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="grid bench (with --shape): prompt lengths, e.g. 1024,32768")
     p.add_argument("--batches", default="1", help="grid bench: concurrent requests, e.g. 1,32")
     p.add_argument("--kv-dtypes", default="bf16", help="grid bench: KV formats, e.g. bf16,int8,k8v4")
+    p.add_argument("--grid-max-tokens", type=int, default=65536,
+                   help="grid bench: skip batches > 1 whose prompts add up to more tokens")
     p.set_defaults(fn=cmd_bench)
     p = sub.add_parser("plan", help="memory plan for a model, context and limits")
     p.add_argument("--model", "-m", default=DEFAULT_MODEL)

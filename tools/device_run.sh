@@ -28,8 +28,9 @@ if [ "$what" = runtime ]; then
     --gen-tokens 64 --out "$B"
 fi
 if [ "$what" = grid ]; then
-  T=420 run python3 -m kvtier.cli bench --shape qwen3-8b --contexts 1024,8192,32768 --batches 1,32 \
-    --kv-dtypes bf16,int8,k8v4 --gen-tokens 64 --prefill-chunk 4096 --out "$B"
+  T=360 run python3 -m kvtier.cli bench --shape qwen3-8b --contexts 1024,8192,32768 --batches 1,32 \
+    --kv-dtypes bf16,int8,k8v4 --gen-tokens 48 --out "$B"
+  T=150 run python3 -m kvtier.cli bench --shape qwen3-8b --cached-tokens 81920 --new-tokens 50 --no-hf --out "$B"
 fi
 if [ "$what" = tests ] || [ "$what" = all ]; then
   T=240 run python3 -m pytest -q -p no:cacheprovider -x -rs tests/gpu

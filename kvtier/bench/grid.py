@@ -112,6 +112,9 @@ def run_grid(a: argparse.Namespace) -> int:
                 if b * (ctx + a.gen_tokens) > engine.manager.num_gpu_pages * cfg.cache.page_size:
                     console.print(f"[yellow]skip {kv} ctx {ctx} batch {b}: pool too small[/]")
                     continue
+                if b > 1 and b * ctx > a.grid_max_tokens:
+                    console.print(f"[dim]skip {kv} ctx {ctx} batch {b}: over --grid-max-tokens[/]")
+                    continue
                 prompts = [synthetic_ids(ctx, spec.vocab_size, 31 + 2 * j) for j in range(b)]
                 ttft, dec_s, n = run_batch(engine, prompts, a.gen_tokens)
                 mean_ctx = ctx + a.gen_tokens / 2

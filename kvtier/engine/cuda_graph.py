@@ -24,6 +24,9 @@ from kvtier.engine.step_plan import StepPlanner
 
 # Batch sizes captured (up to max_batch): dense at the small end, where batch-1 latency
 # matters, coarser above (padding 17 -> 24 rows costs little in a bandwidth-bound step).
+# No size lies strictly between n and n's next power of two without covering n: the attention
+# backend picks its split-K partitions by that power of two, so a step and its padded replay
+# reduce in the same order (tests/engine/test_step_plan.py checks it).
 GRAPH_BATCH_SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 # Eager runs on a side stream before each capture: lets lazy init (cuBLAS handles, Triton
 # autotuning and compilation) happen outside the graph.

@@ -101,7 +101,8 @@ class Engine:
                                     namespace=f"{model_name}|{fmt.name}")
         chunk = prefill_chunk_for(self.device.type, config.prefill_chunk)
         self.scheduler = Scheduler(self.manager, config.max_batch, chunk)
-        backend = make_backend(backend_name, self.pool, scale=spec.head_dim ** -0.5, host_store=self.host_pool)
+        backend = make_backend(backend_name, self.pool, scale=spec.head_dim ** -0.5, host_store=self.host_pool,
+                               max_context=self.max_model_len)
         self.runner = ModelRunner(model, self.pool, backend, self.device, self.host_pool,
                                   max_seqs=config.max_batch, max_tokens=config.max_batch + chunk,
                                   max_model_len=self.max_model_len, scratch_page=scratch)

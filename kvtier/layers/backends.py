@@ -39,11 +39,12 @@ def choose_backend(name: str, device: torch.device) -> str:
     return name
 
 
-def make_backend(name: str, store, scale: float, host_store: object | None = None):
-    """The backend `name` ("auto" resolved for the store's device) over the page pool `store`."""
+def make_backend(name: str, store, scale: float, host_store: object | None = None, max_context: int = 0):
+    """The backend `name` ("auto" resolved for the store's device) over the page pool `store`.
+    max_context: the longest context it serves (0: unknown, planned per step)."""
     resolved = choose_backend(name, torch.device(store.device))
     if resolved == "triton":
-        return TritonPagedAttention(store, scale, host_store)
+        return TritonPagedAttention(store, scale, host_store, max_context)
     return DensePagedAttention(store, scale, host_store)
 
 
@@ -62,8 +63,12 @@ class TritonPagedAttention:
 
     name = "triton"
 
-    def __init__(self, store, scale: float, host_store: object | None = None):
+    def __init__(self, store, scale: float, host_store: object | None = None, max_context: int = 0):
+        """max_context: the engine's longest context. Split-K partitions are chosen from it (not
+        from each step's lengths), so an eager step and a graph replay of the same step reduce
+        in the same order and give the same bits."""
         self.store = store
+        self.max_context = max_context
         self.scale = scale
         self.dense = DensePagedAttention(store, scale, host_store)
         self.native = self.dense.native  # attend in the stored (rotated) domain
@@ -85,7 +90,10 @@ class TritonPagedAttention:
             self.dense.plan(meta)
             return
         from kvtier.kernels.paged_attention import choose_num_splits
-        splits = choose_num_splits(meta.num_seqs, self.store.kv_heads, meta.context_bound,
+        # batch rounded up to a power of two: the same for a step and the padded graph replaying it
+        # (captured sizes never pass the next power of two, engine/cuda_graph.py)
+        batch = 1 << max(0, meta.num_seqs - 1).bit_length()
+        splits = choose_num_splits(batch, self.store.kv_heads, self.max_context or meta.context_bound,
                                    self.store.page_size, self.num_sms)
         meta.step_cache[id(self)] = _KernelPlan(splits)
 

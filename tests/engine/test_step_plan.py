@@ -77,3 +77,17 @@ def test_over_capacity_is_refused():
     planner = StepPlanner(torch.device("cpu"), PS, max_tokens=8, max_seqs=2, max_pages=3)
     with pytest.raises(ValueError, match="capacity"):
         planner.plan(_batch(random.Random(0), 3))
+
+
+@pytest.mark.parametrize("max_batch", [1, 5, 32, 40, 256])
+def test_graph_sizes_round_to_the_same_power_of_two(max_batch):
+    """A step of n decodes replays the graph of size s >= n; the backend's split choice rounds the
+    batch to a power of two, which must be the same for n and s (graph == eager, bit for bit)."""
+    from kvtier.engine.cuda_graph import DecodeGraphs
+
+    graphs = DecodeGraphs(None, None, None, max_batch, 128)
+    pow2 = lambda n: 1 << max(0, n - 1).bit_length()  # noqa: E731
+    for n in range(1, max_batch + 1):
+        size = graphs.size_for(n)
+        assert size is not None and n <= size <= max_batch and pow2(size) == pow2(n)
+    assert graphs.size_for(max_batch + 1) is None

@@ -1,0 +1,85 @@
+"""GPU time of paged_decode per launch-parameter variant (CUDA-graph replay: no launch overhead).
+
+    python3 tools/sweep_paged.py
+
+For each (warps, stages, tile bytes) variant and each format: B=1 at 32K and B=32 at 8K
+context (Hkv 8, Hq 32, D 128, scattered 16-token pages), 20 calls captured in one graph and
+replayed; prints us per call and GB/s of K/V bytes read.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+
+from kvtier.kernels import paged_attention as pa
+from kvtier.kv.formats import make_format
+from kvtier.kv.pool import PagePool
+
+HKV, G, D, PS = 8, 4, 128, 16
+CASES = ((1, 32768), (32, 8192), (1, 4096))
+CALLS = 20
+
+
+def pool_for(name: str, pages: int) -> PagePool:
+    pool = PagePool(make_format(name), 1, pages, HKV, PS, D, "cuda", compute_dtype=torch.bfloat16)
+    for lo in range(0, pages * PS, 1 << 18):  # random rows through the real store path
+        n = min(1 << 18, pages * PS - lo)
+        slots = torch.arange(lo, lo + n, device="cuda")
+        k, v = torch.randn(2, n, HKV, D, device="cuda", dtype=torch.bfloat16)
+        pool.write(0, slots, k, v)
+    return pool
+
+
+def time_case(pool: PagePool, batch: int, ctx: int, splits: int) -> float:
+    pages = ctx // PS
+    perm = torch.randperm(pool.num_pages, device="cuda")[:batch * pages].to(torch.int32).view(batch, pages)
+    lens = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
+    q = torch.randn(batch, HKV * G, D, device="cuda", dtype=torch.bfloat16)
+    out = torch.empty_like(q)
+    sink = (pool.sink_k[0], pool.sink_v[0], pool.sink_slot) if pool.sink_slots else None
+    call = lambda: pa.paged_decode(q, pool.layers[0], pool.fmt, perm, lens, D ** -0.5, splits,  # noqa: E731
+                                   sink=sink, out=out)
+    for _ in range(3):
+        call()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(CALLS):
+            call()
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    g.replay()
+    a.record()
+    for _ in range(5):
+        g.replay()
+    b.record()
+    torch.cuda.synchronize()
+    return a.elapsed_time(b) * 1e3 / (5 * CALLS)
+
+
+def main() -> None:
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    pages = max(b * c for b, c in CASES) // PS
+    pools = {n: pool_for(n, pages) for n in ("bf16", "int8", "k8v4", "int4")}
+    base = (pa.NUM_WARPS, pa.NUM_STAGES, pa.TILE_BYTES, pa.PROGRAMS_PER_SM)
+    print(f"default warps/stages/tile/programs-per-SM = {base}")
+    for warps, stages, tile, pps in itertools.product((4, 8), (2, 3), (8192, 16384, 32768), (4,)):
+        pa.NUM_WARPS, pa.NUM_STAGES, pa.TILE_BYTES, pa.PROGRAMS_PER_SM = warps, stages, tile, pps
+        row = []
+        for name, pool in pools.items():
+            for batch, ctx in CASES:
+                splits = pa.choose_num_splits(batch, HKV, ctx, PS, sms)
+                try:
+                    us = time_case(pool, batch, ctx, splits)
+                except Exception as e:  # a variant that does not compile (registers, shared memory)
+                    row.append(f"{name} B{batch} {ctx // 1024}K: failed {type(e).__name__}")
+                    continue
+                gbs = batch * ctx * pool.fmt.bytes_per_token(HKV, D) / (us * 1e-6) / 1e9
+                row.append(f"{name} B{batch} {ctx // 1024}K s{splits} {us:7.1f}us {gbs:5.0f}GB/s")
+        print(f"warps {warps} stages {stages} tile {tile:5d} pps {pps}: " + " | ".join(row), flush=True)
+    pa.NUM_WARPS, pa.NUM_STAGES, pa.TILE_BYTES, pa.PROGRAMS_PER_SM = base
+
+
+if __name__ == "__main__":
+    main()
