@@ -258,15 +258,19 @@ def pages_per_tile(head_dim: int, page_size: int, elem_bytes: int) -> int:
     return max(1, tokens // page_size)
 
 
+def _codec_constants(fmt: KVFormat, head_dim: int, dtype: torch.dtype) -> dict[str, object]:
+    """The tl.constexpr arguments that say how K / V tiles are decoded (both kernels)."""
+    groups = [c.group_for(head_dim) if isinstance(c, Int4Codec) else 1 for c in (fmt.k_codec, fmt.v_codec)]
+    return dict(K_MODE=_mode(fmt.k_codec), V_MODE=_mode(fmt.v_codec), K_GROUP=groups[0], V_GROUP=groups[1],
+                BIAS=INT4_BIAS, DOT_PREC=FP32_DOT if dtype == torch.float32 else "tf32")  # (16-bit: ignored)
+
+
 def split_constants(fmt: KVFormat, head_dim: int, page_size: int, gqa: int, dtype: torch.dtype,
                     has_sink: bool, single: bool) -> dict[str, object]:
     """The tl.constexpr arguments of the split kernel (one compiled variant per distinct dict)."""
-    groups = [c.group_for(head_dim) if isinstance(c, Int4Codec) else 1 for c in (fmt.k_codec, fmt.v_codec)]
     return dict(S=page_size, D=head_dim, G_PAD=max(MIN_DOT_ROWS, _pow2(gqa)),
                 PAGES=pages_per_tile(head_dim, page_size, torch.empty((), dtype=dtype).element_size()),
-                K_MODE=_mode(fmt.k_codec), V_MODE=_mode(fmt.v_codec), K_GROUP=groups[0], V_GROUP=groups[1],
-                BIAS=INT4_BIAS, HAS_SINK=has_sink, SINGLE=single,
-                DOT_PREC=FP32_DOT if dtype == torch.float32 else "tf32")  # (16-bit operands ignore it)
+                HAS_SINK=has_sink, SINGLE=single, **_codec_constants(fmt, head_dim, dtype))
 
 
 def choose_num_splits(batch: int, kv_heads: int, max_context: int, page_size: int, num_sms: int) -> int:
@@ -283,20 +287,26 @@ def choose_num_splits(batch: int, kv_heads: int, max_context: int, page_size: in
     return max(1, min(want, most))
 
 
-def _check(q: torch.Tensor, st: dict[str, torch.Tensor], fmt: KVFormat, block_table: torch.Tensor,
-           seq_lens: torch.Tensor, num_splits: int) -> None:
+def _check_pages(who: str, q: torch.Tensor, st: dict[str, torch.Tensor], fmt: KVFormat) -> None:
+    """q: [rows, Hq, D] against one pool layer's shapes (both kernels)."""
     if q.dim() != 3:
-        raise ValueError(f"paged_decode: q must be [B, Hq, D], got {tuple(q.shape)}")
-    bsz, hq, d = q.shape
+        raise ValueError(f"{who}: q must be [rows, Hq, D], got {tuple(q.shape)}")
+    _, hq, d = q.shape
     _, hkv, s, _ = st["k"].shape
     if fmt.head_dim_of(st) != d:
-        raise ValueError(f"paged_decode: q head_dim {d} != stored head_dim {fmt.head_dim_of(st)}")
+        raise ValueError(f"{who}: q head_dim {d} != stored head_dim {fmt.head_dim_of(st)}")
     if not _is_pow2(d) or d < 16:
-        raise ValueError(f"paged_decode: head_dim must be a power of two >= 16, got {d}")
+        raise ValueError(f"{who}: head_dim must be a power of two >= 16, got {d}")
     if not _is_pow2(s):
-        raise ValueError(f"paged_decode: page_size must be a power of two, got {s}")
+        raise ValueError(f"{who}: page_size must be a power of two, got {s}")
     if hq % hkv:
-        raise ValueError(f"paged_decode: {hq} query heads are not a multiple of {hkv} kv heads")
+        raise ValueError(f"{who}: {hq} query heads are not a multiple of {hkv} kv heads")
+
+
+def _check(q: torch.Tensor, st: dict[str, torch.Tensor], fmt: KVFormat, block_table: torch.Tensor,
+           seq_lens: torch.Tensor, num_splits: int) -> None:
+    _check_pages("paged_decode", q, st, fmt)
+    bsz = q.shape[0]
     if block_table.dim() != 2 or block_table.shape[0] != bsz or seq_lens.shape != (bsz,):
         raise ValueError(f"paged_decode: block_table {tuple(block_table.shape)} / seq_lens "
                          f"{tuple(seq_lens.shape)} do not match batch {bsz}")
@@ -360,6 +370,22 @@ def _decode_pages(codec: Codec, st: dict[str, torch.Tensor], kv: str, pages: tor
     return codec.decode(parts, dtype)
 
 
+def _sequence_kv(st: dict[str, torch.Tensor], fmt: KVFormat, pages: torch.Tensor, n: int, head_dim: int,
+                 dtype: torch.dtype, sink: Sink | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values 0..n-1 of one sequence (pages: its block-table row, n > 0) decoded to
+    dtype, token 0 from the sink slot when its first page has one -> k, v: [Hkv, n, D]."""
+    hkv, s = st["k"].shape[1], st["k"].shape[2]
+    pages = pages[:math.ceil(n / s)]
+    k, v = (_decode_pages(c, st, kv, pages, head_dim, dtype).transpose(0, 1).reshape(hkv, -1, head_dim)[:, :n]
+            for kv, c in (("k", fmt.k_codec), ("v", fmt.v_codec)))
+    if sink is not None:
+        slot = int(sink[2][pages[0]])
+        if slot >= 0:
+            k, v = k.clone(), v.clone()
+            k[:, 0], v[:, 0] = sink[0][slot].to(k.dtype), sink[1][slot].to(v.dtype)
+    return k, v
+
+
 def paged_decode_reference(q: torch.Tensor, st: dict[str, torch.Tensor], fmt: KVFormat,
                            block_table: torch.Tensor, seq_lens: torch.Tensor, scale: float,
                            sink: Sink | None = None) -> torch.Tensor:
@@ -370,21 +396,223 @@ def paged_decode_reference(q: torch.Tensor, st: dict[str, torch.Tensor], fmt: KV
     one, then an fp32 softmax: q: [B, Hq, D] -> [B, Hq, D] in q.dtype.
     """
     bsz, hq, d = q.shape
-    _, hkv, s, _ = st["k"].shape
+    hkv = st["k"].shape[1]
     out = torch.zeros_like(q)
     table = block_table.long()
     for b, n in enumerate(seq_lens.tolist()):
         if n == 0:
             continue
-        pages = table[b, :math.ceil(n / s)]
-        k, v = (_decode_pages(c, st, kv, pages, d, q.dtype).transpose(0, 1).reshape(hkv, -1, d)[:, :n]
-                for kv, c in (("k", fmt.k_codec), ("v", fmt.v_codec)))  # [Hkv, n, D]
-        if sink is not None:
-            slot = int(sink[2][pages[0]])
-            if slot >= 0:
-                k, v = k.clone(), v.clone()
-                k[:, 0], v[:, 0] = sink[0][slot].to(k.dtype), sink[1][slot].to(v.dtype)
+        k, v = _sequence_kv(st, fmt, table[b], n, d, q.dtype, sink)  # [Hkv, n, D]
         qg = q[b].float().view(hkv, hq // hkv, d)  # query head h reads kv head h // (Hq / Hkv)
         p = torch.softmax(qg @ k.float().transpose(1, 2) * scale, dim=-1)  # [Hkv, G, n]
         out[b] = (p @ v.float()).reshape(hq, d).to(q.dtype)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Prefill: varlen causal attention of many new rows per sequence over its pages.
+#
+# One program = BLOCK_Q new rows (tokens) of one sequence x the G query heads of one kv head,
+# packed as M = BLOCK_Q * G_PAD rows of one tl.dot operand (row r: token r // G_PAD, head
+# r % G_PAD), so each K/V tile is read once for all of them. Grid (Hkv, B, cdiv(max_new, BLOCK_Q)),
+# tile index reversed: the latest rows (the most keys) start first.
+#
+#   keys of seq b:  0 ............................ first  last ..... ctx-1
+#                   | full tiles (no mask) |  diagonal tiles  |  (not read)
+#                   0                   full_end             last+1
+#   first / last: positions of the program's first / last real row (new row i of seq b sits
+#   at ctx - n_b + i); full_end = (first + 1) rounded down to BLOCK_N: keys every row sees.
+# ---------------------------------------------------------------------------------------------
+
+# Per (compute-dtype bytes, head_dim bound): (BLOCK_M rows = tokens x heads, BLOCK_N keys, warps,
+# stages). Compiled for sm_90 offline (wgmma, cp.async page gathers; REG / STACK from cuobjdump):
+# - 16-bit, D <= 128: the FlashAttention-2 / Triton-tutorial Hopper shape, 128 x 64, 8 warps,
+#   3 stages: 186 registers (bf16 pages) to 247 (k8v4 with sinks), no spills, 99 KB shared.
+#   128 x 128 also fits (254 registers, 165 KB) for bf16 but spills for k8v4.
+# - 16-bit, D = 256: 128 x 32, 8 warps, 2 stages: 239-255 registers, no spills (4 warps spill).
+# - fp32 (tf32x3: three dots, twice the bytes): spills at every shape tried; the smallest
+#   tiles spill least. fp32 pools are for exactness, not speed.
+# To be tuned on the H200: tests/gpu/test_paged_prefill.py -k print sweeps alternatives.
+PREFILL_BLOCKS = {
+    (2, 128): (128, 64, 8, 3),
+    (2, 256): (128, 32, 8, 2),
+    (4, 128): (32, 32, 4, 2),
+    (4, 256): (16, 16, 4, 2),
+}
+
+if HAVE_TRITON:
+    @triton.jit
+    def _prefill_tile(acc, m_i, l_i, q, k_ptr, ks_ptr, v_ptr, vs_ptr, bt_row, h, n0, ctx, t_lo, pos, qk_scale,
+                      Hkv, S: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr, K_MODE: tl.constexpr,
+                      V_MODE: tl.constexpr, K_GROUP: tl.constexpr, V_GROUP: tl.constexpr, BIAS: tl.constexpr,
+                      CAUSAL: tl.constexpr, HAS_SINK: tl.constexpr, DOT_PREC: tl.constexpr):
+        """Keys n0 .. n0 + BLOCK_N - 1 into the softmax state (acc [M, D], m_i / l_i [M], log2 units).
+
+        pos: [M] each row's position (CAUSAL: row r sees keys <= pos[r]); t_lo: 1 when the
+        sink slot supplies key 0 (then the page's row 0 is skipped).
+        """
+        tok = n0 + tl.arange(0, BLOCK_N)
+        valid = tok < ctx
+        page = tl.load(bt_row + tok // S, mask=valid, other=0).to(tl.int64)
+        row = (page * Hkv + h) * S + tok % S
+        k, ks = _tile(k_ptr, ks_ptr, row, valid, K_MODE, D, K_GROUP, BLOCK_N, BIAS)
+        v, vs = _tile(v_ptr, vs_ptr, row, valid, V_MODE, D, V_GROUP, BLOCK_N, BIAS)
+        s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PREC)  # [M, BLOCK_N]
+        if K_MODE == MODE_INT8 or K_MODE == MODE_FP8:
+            s = s * (ks * qk_scale)[None, :]
+        else:
+            s = s * qk_scale
+        if CAUSAL:
+            see = tok[None, :] <= pos[:, None]  # keys past ctx are past every real row's position
+            if HAS_SINK:
+                see = see & (tok >= t_lo)[None, :]
+            s = tl.where(see, s, float("-inf"))
+        elif HAS_SINK:
+            s = tl.where((tok >= t_lo)[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # no key yet: avoid -inf - -inf
+        alpha = tl.exp2(m_i - m_use)
+        p = tl.exp2(s - m_use[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        if V_MODE == MODE_INT8 or V_MODE == MODE_FP8:
+            p = p * vs[None, :]
+        acc = tl.dot(p.to(q.dtype), v.to(q.dtype), acc * alpha[:, None], input_precision=DOT_PREC)
+        return acc, m_new, l_i
+
+    # Runtime ints that may be 1 or multiples of 16: not specialised on value (one compile serves all).
+    @triton.jit(do_not_specialize=["Hkv", "G", "stride_bt"])
+    def _prefill_kernel(q_ptr, k_ptr, ks_ptr, v_ptr, vs_ptr, bt_ptr, lens_ptr, qsl_ptr, sk_ptr, sv_ptr, slot_ptr,
+                        o_ptr, qk_scale, stride_qt, stride_qh, stride_bt, stride_ot, stride_oh, Hkv, G,
+                        S: tl.constexpr, D: tl.constexpr, G_PAD: tl.constexpr, BLOCK_Q: tl.constexpr,
+                        BLOCK_N: tl.constexpr, K_MODE: tl.constexpr, V_MODE: tl.constexpr, K_GROUP: tl.constexpr,
+                        V_GROUP: tl.constexpr, BIAS: tl.constexpr, HAS_SINK: tl.constexpr,
+                        DOT_PREC: tl.constexpr):
+        """One (kv head h, sequence b, query tile): BLOCK_Q new rows x G query heads of h."""
+        h = tl.program_id(0)
+        b = tl.program_id(1)
+        m0 = (tl.num_programs(2) - 1 - tl.program_id(2)) * BLOCK_Q  # heaviest tiles first
+        q0 = tl.load(qsl_ptr + b)
+        n_new = tl.load(qsl_ptr + b + 1) - q0
+        ctx = tl.load(lens_ptr + b)
+        M: tl.constexpr = BLOCK_Q * G_PAD
+        r = tl.arange(0, M)
+        t = m0 + r // G_PAD  # new-row index within the sequence
+        heads = h * G + r % G_PAD  # query head h * G + g reads kv head h
+        live = (t < n_new) & (r % G_PAD < G)
+        d = tl.arange(0, D)
+        rows = (q0 + t).to(tl.int64)
+        q = tl.load(q_ptr + rows[:, None] * stride_qt + heads[:, None] * stride_qh + d[None, :],
+                    mask=live[:, None], other=0.0)  # [M, D]
+        pos = ctx - n_new + t
+        m_i = tl.full([M], float("-inf"), tl.float32)
+        l_i = tl.zeros([M], tl.float32)
+        acc = tl.zeros([M, D], tl.float32)
+        bt_row = bt_ptr + b * stride_bt
+        t_lo = 0
+        if HAS_SINK:
+            slot = tl.load(slot_ptr + tl.load(bt_row))
+            t_lo = tl.where(slot >= 0, 1, 0)
+            m_i, l_i, acc = _sink_start(q, sk_ptr, sv_ptr, (tl.maximum(slot, 0) * Hkv + h) * D, slot >= 0, qk_scale,
+                                        m_i, l_i, acc, D)
+        first = ctx - n_new + m0
+        busy = m0 < n_new  # an empty tile (a sequence with fewer new rows) reads nothing
+        end = tl.where(busy, ctx - n_new + tl.minimum(m0 + BLOCK_Q, n_new), 0)  # last row's position + 1
+        full_end = tl.where(busy, (first + 1) // BLOCK_N * BLOCK_N, 0)
+        for n0 in range(0, full_end, BLOCK_N):
+            acc, m_i, l_i = _prefill_tile(acc, m_i, l_i, q, k_ptr, ks_ptr, v_ptr, vs_ptr, bt_row, h, n0, ctx, t_lo,
+                                          pos, qk_scale, Hkv, S, D, BLOCK_N, K_MODE, V_MODE, K_GROUP, V_GROUP,
+                                          BIAS, False, HAS_SINK, DOT_PREC)
+        for n0 in range(full_end, end, BLOCK_N):
+            acc, m_i, l_i = _prefill_tile(acc, m_i, l_i, q, k_ptr, ks_ptr, v_ptr, vs_ptr, bt_row, h, n0, ctx, t_lo,
+                                          pos, qk_scale, Hkv, S, D, BLOCK_N, K_MODE, V_MODE, K_GROUP, V_GROUP,
+                                          BIAS, True, HAS_SINK, DOT_PREC)
+        o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+        tl.store(o_ptr + rows[:, None] * stride_ot + heads[:, None] * stride_oh + d[None, :],
+                 o.to(o_ptr.dtype.element_ty), mask=live[:, None])
+
+
+def prefill_blocks(head_dim: int, dtype: torch.dtype) -> tuple[int, int, int, int]:
+    """(BLOCK_M rows, BLOCK_N keys, num_warps, num_stages) of the prefill kernel (PREFILL_BLOCKS)."""
+    size = 2 if torch.empty((), dtype=dtype).element_size() <= 2 else 4
+    return PREFILL_BLOCKS[(size, 128 if head_dim <= 128 else 256)]
+
+
+def prefill_constants(fmt: KVFormat, head_dim: int, page_size: int, gqa: int, dtype: torch.dtype,
+                      has_sink: bool, block_m: int, block_n: int) -> dict[str, object]:
+    """The tl.constexpr arguments of the prefill kernel; BLOCK_M rows = BLOCK_Q tokens x G_PAD heads."""
+    g_pad = _pow2(gqa)
+    return dict(S=page_size, D=head_dim, G_PAD=g_pad, BLOCK_Q=max(1, block_m // g_pad), BLOCK_N=block_n,
+                HAS_SINK=has_sink, **_codec_constants(fmt, head_dim, dtype))
+
+
+def paged_prefill(q: torch.Tensor, st: dict[str, torch.Tensor], fmt: KVFormat, block_table: torch.Tensor,
+                  seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float, sink: Sink | None = None,
+                  max_new: int | None = None, blocks: tuple[int, int, int, int] | None = None) -> torch.Tensor:
+    """Causal attention of B sequences' packed new rows over their pages, read in place.
+
+    q: [T, Hq, D] (bf16 / fp16 / fp32) in the stored domain (PagePool.native_q);
+    st: one pool layer in `fmt`'s layout, already holding the new rows' K/V;
+    block_table: [B, max_pages] int32; seq_lens: [B] int32 context after this step;
+    query_start_loc: [B+1] int32, sequence b's new rows are q[qsl[b]:qsl[b+1]], its last
+    n_b = qsl[b+1] - qsl[b] positions: row i sits at seq_lens[b] - n_b + i, sees keys <= it;
+    sink: (sink_k, sink_v, sink_slot) as paged_decode;
+    max_new: max_b n_b or any bound above it (rows past it are not computed), sizes the grid;
+    None: read from query_start_loc (a host sync);
+    blocks: (BLOCK_M, BLOCK_N, num_warps, num_stages) instead of prefill_blocks' (tests, tuning).
+    -> [T, Hq, D] in q.dtype, in the stored domain (PagePool.native_out maps it back).
+    """
+    if not HAVE_TRITON:
+        raise RuntimeError("paged_prefill needs Triton; use paged_prefill_reference on CPU")
+    _check_pages("paged_prefill", q, st, fmt)
+    n_rows, hq, d = q.shape
+    _, hkv, s, _ = st["k"].shape
+    bsz = seq_lens.shape[0]
+    if block_table.dim() != 2 or block_table.shape[0] != bsz or query_start_loc.shape != (bsz + 1,):
+        raise ValueError(f"paged_prefill: block_table {tuple(block_table.shape)} / query_start_loc "
+                         f"{tuple(query_start_loc.shape)} do not match batch {bsz}")
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    if block_table.stride(-1) != 1:
+        block_table = block_table.contiguous()
+    out = torch.empty((n_rows, hq, d), dtype=q.dtype, device=q.device)
+    if max_new is None:
+        max_new = int((query_start_loc[1:] - query_start_loc[:-1]).max()) if bsz else 0
+    if n_rows == 0 or bsz == 0 or max_new <= 0:
+        return out
+    block_m, block_n, warps, stages = blocks or prefill_blocks(d, q.dtype)
+    const = prefill_constants(fmt, d, s, hq // hkv, q.dtype, sink is not None, block_m, block_n)
+    sk, sv, slot = sink if sink is not None else (q, q, block_table)  # unused placeholders
+    grid = (hkv, bsz, triton.cdiv(max_new, const["BLOCK_Q"]))
+    _prefill_kernel[grid](
+        q, st["k"], st.get("k_scale", st["k"]), st["v"], st.get("v_scale", st["v"]), block_table, seq_lens,
+        query_start_loc, sk.contiguous(), sv.contiguous(), slot, out, scale * LOG2E, q.stride(0), q.stride(1),
+        block_table.stride(0), out.stride(0), out.stride(1), hkv, hq // hkv, **const,
+        num_warps=warps, num_stages=stages)
+    return out
+
+
+def paged_prefill_reference(q: torch.Tensor, st: dict[str, torch.Tensor], fmt: KVFormat,
+                            block_table: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
+                            scale: float, sink: Sink | None = None) -> torch.Tensor:
+    """paged_prefill in plain PyTorch (same arguments; any device; syncs on the lengths).
+
+    Each sequence's pages decoded by the codecs to q.dtype (sink row at token 0 as
+    paged_decode_reference), then a causal fp32 softmax: q: [T, Hq, D] -> [T, Hq, D] in q.dtype.
+    """
+    _, hq, d = q.shape
+    hkv = st["k"].shape[1]
+    out = torch.zeros_like(q)
+    table = block_table.long()
+    qsl = query_start_loc.tolist()
+    for b, ctx in enumerate(seq_lens.tolist()):
+        lo, hi = qsl[b], qsl[b + 1]
+        if hi == lo:
+            continue
+        k, v = _sequence_kv(st, fmt, table[b], ctx, d, q.dtype, sink)  # [Hkv, ctx, D]
+        qg = q[lo:hi].float().view(hi - lo, hkv, hq // hkv, d).permute(1, 2, 0, 3)  # [Hkv, G, n, D]
+        sc = qg @ k.float().transpose(1, 2)[:, None] * scale  # [Hkv, G, n, ctx]
+        pos = torch.arange(ctx - (hi - lo), ctx, device=q.device)[:, None]  # row i's position
+        sc.masked_fill_(torch.arange(ctx, device=q.device)[None, :] > pos, float("-inf"))
+        o = torch.softmax(sc, dim=-1) @ v.float()[:, None]  # [Hkv, G, n, D]
+        out[lo:hi] = o.permute(2, 0, 1, 3).reshape(hi - lo, hq, d).to(q.dtype)
     return out
