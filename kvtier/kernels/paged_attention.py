@@ -89,7 +89,7 @@ if HAVE_TRITON:
 
     @triton.jit
     def _tile(data_ptr, scale_ptr, row, valid, MODE: tl.constexpr, D: tl.constexpr, GROUP: tl.constexpr,
-              BLOCK_N: tl.constexpr, BIAS: tl.constexpr):
+              BLOCK_N: tl.constexpr, BIAS: tl.constexpr, HALF: tl.constexpr = False):
         """Rows of one layer's K or V pages -> (tile [BLOCK_N, D], row scale [BLOCK_N] fp32).
 
         row: [BLOCK_N] int64 row index (page * Hkv + head) * S + offset; valid: [BLOCK_N].
@@ -110,16 +110,21 @@ if HAVE_TRITON:
                          other=0.0).to(tl.float32)  # [BLOCK_N, NG, 1]
             lo = ((b & 0xF) - BIAS).to(tl.float32) * sc  # value 2i
             hi = ((b >> 4) - BIAS).to(tl.float32) * sc  # value 2i + 1
+            if HALF:  # for an fp16 dot: converted here, once, before the interleave
+                lo = lo.to(tl.float16)
+                hi = hi.to(tl.float16)
             tile = tl.reshape(tl.join(lo, hi), (BLOCK_N, D))  # interleaved back to d order
         else:
             x = tl.load(data_ptr + row[:, None] * D + tl.arange(0, D)[None, :], mask=valid[:, None], other=0)
             if MODE == MODE_PLAIN:
                 tile = x
             else:
+                # codes straight to fp16 (exact): one conversion an element, not two via fp32;
+                # conversions, not bytes, bounded these formats (H200: int8 slower than bf16)
                 if MODE == MODE_FP8:
-                    tile = x.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+                    tile = x.to(tl.float8e4nv, bitcast=True).to(tl.float16)
                 else:
-                    tile = x.to(tl.float32)
+                    tile = x.to(tl.float16)
                 rs = tl.load(scale_ptr + row, mask=valid, other=0.0).to(tl.float32)
         return tile, rs
 
@@ -160,6 +165,7 @@ if HAVE_TRITON:
         heads = h * G + g  # query head h * G + g reads kv head h
         q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + d[None, :], mask=(g < G)[:, None],
                     other=0.0)  # [G_PAD, D]
+        half: tl.constexpr = q.dtype != tl.float32  # 16-bit q: code tiles are dotted in fp16
         m_i = tl.full([G_PAD], float("-inf"), tl.float32)  # running max of the scores (log2 units)
         l_i = tl.zeros([G_PAD], tl.float32)  # running sum of exp2(score - m_i)
         acc = tl.zeros([G_PAD, D], tl.float32)  # running sum of exp2(score - m_i) * v
@@ -181,9 +187,12 @@ if HAVE_TRITON:
                 valid = valid & (tok >= t_lo)
             page = tl.load(bt_ptr + b * stride_bt + pidx, mask=pidx < p_hi, other=0).to(tl.int64)
             row = (page * Hkv + h) * S + in_page
-            k, ks = _tile(k_ptr, ks_ptr, row, valid, K_MODE, D, K_GROUP, BLOCK_N, BIAS)
-            v, vs = _tile(v_ptr, vs_ptr, row, valid, V_MODE, D, V_GROUP, BLOCK_N, BIAS)
-            s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PREC)  # [G_PAD, BLOCK_N]
+            k, ks = _tile(k_ptr, ks_ptr, row, valid, K_MODE, D, K_GROUP, BLOCK_N, BIAS, half)
+            v, vs = _tile(v_ptr, vs_ptr, row, valid, V_MODE, D, V_GROUP, BLOCK_N, BIAS, half)
+            if K_MODE == MODE_PLAIN or q.dtype == tl.float32:
+                s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PREC)  # [G_PAD, BLOCK_N]
+            else:  # fp16 code tiles: the dot in fp16 (q cast once), no conversion of the tile
+                s = tl.dot(q.to(tl.float16), tl.trans(k), input_precision=DOT_PREC)
             if K_MODE == MODE_INT8 or K_MODE == MODE_FP8:
                 s = s * ks[None, :]
             s = tl.where(valid[None, :], s * qk_scale, float("-inf"))
@@ -194,7 +203,11 @@ if HAVE_TRITON:
             l_i = l_i * alpha + tl.sum(p, axis=1)
             if V_MODE == MODE_INT8 or V_MODE == MODE_FP8:
                 p = p * vs[None, :]
-            acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=DOT_PREC)
+            if V_MODE == MODE_PLAIN or q.dtype == tl.float32:
+                pv = tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=DOT_PREC)
+            else:
+                pv = tl.dot(p.to(tl.float16), v, input_precision=DOT_PREC)
+            acc = acc * alpha[:, None] + pv
             m_i = m_new
 
         l_safe = tl.where(l_i == 0.0, 1.0, l_i)  # empty split (or seq_len 0): acc is 0, so is o
@@ -459,9 +472,10 @@ if HAVE_TRITON:
         v, vs = _tile(v_ptr, vs_ptr, row, valid, V_MODE, D, V_GROUP, BLOCK_N, BIAS)
         s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PREC)  # [M, BLOCK_N]
         if K_MODE == MODE_INT8 or K_MODE == MODE_FP8:
-            s = s * (ks * qk_scale)[None, :]
+            s = s * (ks * qk_scale)[None, :]  # the row scales times the softmax scale: one multiply
+            sc = 1.0
         else:
-            s = s * qk_scale
+            sc = qk_scale  # applied in the exp2 argument: one FMA (qk_scale > 0 keeps the max)
         if CAUSAL:
             see = tok[None, :] <= pos[:, None]  # keys past ctx are past every real row's position
             if HAS_SINK:
@@ -469,10 +483,10 @@ if HAVE_TRITON:
             s = tl.where(see, s, float("-inf"))
         elif HAS_SINK:
             s = tl.where((tok >= t_lo)[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1) * sc)
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # no key yet: avoid -inf - -inf
         alpha = tl.exp2(m_i - m_use)
-        p = tl.exp2(s - m_use[:, None])
+        p = tl.exp2(s * sc - m_use[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
         if V_MODE == MODE_INT8 or V_MODE == MODE_FP8:
             p = p * vs[None, :]
