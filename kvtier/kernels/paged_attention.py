@@ -27,6 +27,10 @@ Sink rows (quantized pools): if sink_slot[block_table[b, 0]] >= 0, key/value 0
 comes from that slot (exact, compute dtype) instead of the quantized page row:
 split 0 starts its softmax from it and every split skips token 0 of the pages.
 
+`paged_prefill` (second half of this file) is the varlen causal counterpart for many new
+rows per sequence: a flash-attention loop over the same gathered, decoded tiles (`_tile`),
+the same sink start, G query heads of a kv head packed into one tl.dot operand.
+
 `paged_decode_reference` is the same computation in plain PyTorch (the codecs of
 kvtier/kv/formats.py); tests/layers/paged_attention_cases.py checks one
 against the other (TRITON_INTERPRET=1 on CPU, and on CUDA in tests/gpu).
