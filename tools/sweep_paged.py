@@ -10,6 +10,7 @@ replayed; prints us per call and GB/s of K/V bytes read.
 from __future__ import annotations
 
 import itertools
+import sys
 
 import torch
 
@@ -64,7 +65,10 @@ def main() -> None:
     pools = {n: pool_for(n, pages) for n in ("bf16", "int8", "k8v4", "int4")}
     base = (pa.NUM_WARPS, pa.NUM_STAGES, pa.TILE_BYTES, pa.PROGRAMS_PER_SM)
     print(f"default warps/stages/tile/programs-per-SM = {base}")
-    for warps, stages, tile, pps in itertools.product((4, 8), (2, 3), (8192, 16384, 32768), (4,)):
+    variants = itertools.product((4, 8), (2, 3), (8192, 16384, 32768), (4,))
+    if "--default" in sys.argv:
+        variants = [base]
+    for warps, stages, tile, pps in variants:
         pa.NUM_WARPS, pa.NUM_STAGES, pa.TILE_BYTES, pa.PROGRAMS_PER_SM = warps, stages, tile, pps
         row = []
         for name, pool in pools.items():

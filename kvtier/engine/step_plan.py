@@ -8,7 +8,7 @@ captured over them replays any later step of its batch size:
     int64 staging / device buffer `ids` (capacity T = max_tokens):
         | input_ids [T] | positions [T] | slot_mapping [T] | logits_indices [B] |
     int32 staging / device buffer `tables` (capacity B = max_seqs, P = max_pages):
-        | seq_lens [B] | block_table [B * P] (row b: sequence b's pages, then 0s) |
+        | seq_lens [B] | query_start_loc [B + 1] | block_table [B * P] (row b: its pages, then 0s) |
 
 Only the used head of each region is copied. Staging is double-buffered: the
 copy of step n may still be in flight while step n + 1 is written into the
@@ -65,7 +65,7 @@ class StepPlanner:
         self.max_tokens, self.max_seqs, self.max_pages = max_tokens, max_seqs, max_pages
         self.scratch_slot = scratch_slot
         t, b, p = max_tokens, max_seqs, max_pages
-        n64, n32 = 3 * t + b, b + b * p
+        n64, n32 = 3 * t + b, 2 * b + 1 + b * p
         pin = device.type == "cuda"
         self._staging = [_Staging(n64, n32, pin) for _ in range(STAGING_BUFFERS if pin else 1)]
         self._turn = 0
@@ -76,7 +76,8 @@ class StepPlanner:
         self.slot_mapping = self.ids[2 * t:3 * t]
         self.logits_indices = self.ids[3 * t:]
         self.seq_lens = self.tables[:b]
-        self.block_table = self.tables[b:].view(b, p)
+        self.query_start_loc = self.tables[b:2 * b + 1]
+        self.block_table = self.tables[2 * b + 1:].view(b, p)
 
     def fits(self, batch: Batch) -> bool:
         ps = self.page_size
@@ -92,8 +93,9 @@ class StepPlanner:
         t_cap, b_cap, p_cap, ps = self.max_tokens, self.max_seqs, self.max_pages, self.page_size
         a64, a32 = st.np64, st.np32
         ids, pos, slots = a64[:t_cap], a64[t_cap:2 * t_cap], a64[2 * t_cap:3 * t_cap]
-        rows_out, lens = a64[3 * t_cap:], a32[:b_cap]
-        table = a32[b_cap:].reshape(b_cap, p_cap)
+        rows_out, lens, qsl_out = a64[3 * t_cap:], a32[:b_cap], a32[b_cap:2 * b_cap + 1]
+        table = a32[2 * b_cap + 1:].reshape(b_cap, p_cap)
+        qsl_out[0] = 0
         qsl, seq_lens, tables, rows = [0], [], [], []
         t = 0
         for b, s in enumerate(batch.seqs):
@@ -113,6 +115,7 @@ class StepPlanner:
             table[b, :len(used)] = used
             table[b, len(used):] = 0
             lens[b] = end
+            qsl_out[b + 1] = t
             qsl.append(t)
             seq_lens.append(end)
             tables.append(s.page_table)
@@ -128,6 +131,7 @@ class StepPlanner:
             slots[t:t + extra] = self.scratch_slot
             rows_out[n_out:n_out + extra] = np.arange(t, t + extra)
             lens[n_rows:pad_to] = 0
+            qsl_out[n_rows + 1:pad_to + 1] = np.arange(t + 1, t + extra + 1)
             table[n_rows:pad_to] = 0
             n_seqs, n_tok, n_out = pad_to, t + extra, n_out + extra
         self._copy(st, n_tok, n_out, n_seqs)
@@ -135,6 +139,7 @@ class StepPlanner:
             query_start_loc=qsl, seq_lens=seq_lens, page_tables=tables,
             slot_mapping=self.slot_mapping[:n_tok], logits_indices=self.logits_indices[:n_out],
             block_table=self.block_table[:n_seqs], seq_lens_t=self.seq_lens[:n_seqs],
+            query_start_loc_t=self.query_start_loc[:n_seqs + 1],
             max_seq_len=max_seq_len or max(seq_lens, default=1))
         return StepInputs(self.input_ids[:n_tok], self.positions[:n_tok], meta, n_rows)
 
@@ -147,12 +152,14 @@ class StepPlanner:
         self.slot_mapping[:n_seqs].fill_(self.scratch_slot)
         self.logits_indices[:n_seqs].copy_(torch.arange(n_seqs))
         self.seq_lens[:n_seqs].zero_()
+        self.query_start_loc[:n_seqs + 1].copy_(torch.arange(n_seqs + 1))
         self.block_table[:n_seqs].zero_()
         return StepInputs(self.input_ids[:n_seqs], self.positions[:n_seqs], AttentionMetadata(
             query_start_loc=list(range(n_seqs + 1)), seq_lens=[max_seq_len] * n_seqs,
             page_tables=[[0]] * n_seqs, slot_mapping=self.slot_mapping[:n_seqs],
             logits_indices=self.logits_indices[:n_seqs], block_table=self.block_table[:n_seqs],
-            seq_lens_t=self.seq_lens[:n_seqs], max_seq_len=max_seq_len), n_seqs)
+            seq_lens_t=self.seq_lens[:n_seqs], query_start_loc_t=self.query_start_loc[:n_seqs + 1],
+            max_seq_len=max_seq_len), n_seqs)
 
     def _next_staging(self) -> _Staging:
         st = self._staging[self._turn]
@@ -166,7 +173,7 @@ class StepPlanner:
         unused gaps between regions cost fewer bytes than more copies cost launches)."""
         t, b, p = self.max_tokens, self.max_seqs, self.max_pages
         nb = self.device.type == "cuda"
-        n64, n32 = 3 * t + n_out, b + n_seqs * p
+        n64, n32 = 3 * t + n_out, 2 * b + 1 + n_seqs * p
         self.ids[:n64].copy_(st.i64[:n64], non_blocking=nb)
         self.tables[:n32].copy_(st.i32[:n32], non_blocking=nb)
         if nb:

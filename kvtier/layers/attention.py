@@ -49,6 +49,7 @@ class AttentionMetadata:
     # staging, in persistent buffers (CUDA graphs replay over them); None when built by hand.
     block_table: torch.Tensor | None = None  # [B, max_pages] int32 page ids (padding: 0)
     seq_lens_t: torch.Tensor | None = None  # [B] int32 = seq_lens (0 for padding rows)
+    query_start_loc_t: torch.Tensor | None = None  # [B + 1] int32 = query_start_loc
     # Largest position + 1 the step may touch: seq_lens' max, or the captured capacity (graphs).
     max_seq_len: int = 0
 

@@ -50,15 +50,17 @@ def make_backend(name: str, store, scale: float, host_store: object | None = Non
 
 @dataclass
 class _KernelPlan:
-    num_splits: int  # split-K partitions of each sequence's pages (shape-only for graphs)
+    num_splits: int = 1  # decode: split-K partitions of each sequence's pages (shape-only for graphs)
+    prefill: bool = False  # the varlen causal kernel (any rows per sequence) instead of decode
+    max_new: int = 0  # prefill: the most new rows of one sequence (sizes the grid, no sync)
+    sink: tuple[torch.Tensor, torch.Tensor] | None = None  # prefill: (rows at position 0, sink slots)
 
 
 class TritonPagedAttention:
-    """Decode steps through the paged kernel; everything else through the dense reference.
-
-    A step runs the kernel when every sequence brings one token (not its first) and
-    every page it reads is in the compute pool. The kernel reads the meta's device
-    tensors only, so such steps are CUDA-graph capturable.
+    """Steps whose pages are all in the compute pool run the paged kernels: the split-K decode
+    kernel when every sequence brings one token (not its first), else the varlen causal
+    prefill kernel. Steps reading host-tier pages go through the dense reference (it streams
+    them). Decode steps read only the meta's device tensors, so they are CUDA-graph capturable.
     """
 
     name = "triton"
@@ -87,7 +89,10 @@ class TritonPagedAttention:
 
     def plan(self, meta: AttentionMetadata, for_graph: bool = False) -> None:
         if not for_graph and not self.graph_ready(meta):
-            self.dense.plan(meta)
+            if meta.block_table is None or meta.query_start_loc_t is None or _has_host_pages(meta):
+                self.dense.plan(meta)
+            else:
+                meta.step_cache[id(self)] = self._prefill_plan(meta)
             return
         from kvtier.kernels.paged_attention import choose_num_splits
         # batch rounded up to a power of two: the same for a step and the padded graph replaying it
@@ -97,22 +102,41 @@ class TritonPagedAttention:
                                    self.store.page_size, self.num_sms)
         meta.step_cache[id(self)] = _KernelPlan(splits)
 
+    def _prefill_plan(self, meta: AttentionMetadata) -> _KernelPlan:
+        """Rows written at sequence position 0 (a sequence's first chunk) keep exact sink copies,
+        as in the dense backend's plan."""
+        qsl = meta.query_start_loc
+        starts = [b for b in range(meta.num_seqs) if meta.seq_lens[b] == qsl[b + 1] - qsl[b] > 0]
+        plan = _KernelPlan(prefill=True, max_new=max(qsl[b + 1] - qsl[b] for b in range(meta.num_seqs)))
+        if starts:
+            slots = self.store.assign_sinks([meta.page_tables[b][0] for b in starts])
+            if slots is not None:
+                rows = torch.tensor([qsl[b] for b in starts], dtype=torch.long)
+                plan.sink = (rows.to(meta.slot_mapping.device, non_blocking=True), slots)
+        return plan
+
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
         plan = meta.step_cache.get(id(self))
         if plan is None:
-            if id(self.dense) in meta.step_cache or not self.graph_ready(meta):
+            if id(self.dense) not in meta.step_cache:
+                self.plan(meta)
+            plan = meta.step_cache.get(id(self))
+            if plan is None:
                 return self.dense.forward(layer, q, k, v, meta)
-            self.plan(meta)
-            plan = meta.step_cache[id(self)]
-        from kvtier.kernels.paged_attention import paged_decode
+        from kvtier.kernels.paged_attention import paged_decode, paged_prefill
         store = self.store
-        store.write(layer, meta.slot_mapping, k, v)  # decode rows: never position 0, no sinks
+        # decode rows are never at position 0: sink rows come only with prefill chunks
+        store.write(layer, meta.slot_mapping, k, v, sink=plan.sink)
         if self.native:
             q = store.native_q(layer, q)
         sink = (store.sink_k[layer], store.sink_v[layer], store.sink_slot) if store.sink_slots else None
-        o = paged_decode(q, store.layers[layer], store.fmt, meta.block_table, meta.seq_lens_t,
-                         self.scale, plan.num_splits, sink=sink)
+        if plan.prefill:
+            o = paged_prefill(q, store.layers[layer], store.fmt, meta.block_table, meta.seq_lens_t,
+                              meta.query_start_loc_t, self.scale, sink=sink, max_new=plan.max_new)
+        else:
+            o = paged_decode(q, store.layers[layer], store.fmt, meta.block_table, meta.seq_lens_t,
+                             self.scale, plan.num_splits, sink=sink)
         return store.native_out(o) if self.native else o
 
 

@@ -53,6 +53,7 @@ def test_plan_matches_the_batch(seed):
         assert step.meta.slot_mapping.tolist() == want["slots"]
         assert step.meta.logits_indices.tolist() == want["rows"]
         assert step.meta.seq_lens == want["lens"] == step.meta.seq_lens_t.tolist()
+        assert step.meta.query_start_loc_t.tolist() == step.meta.query_start_loc
         for b, s in enumerate(batch.seqs):
             used = -(-want["lens"][b] // PS)
             row = step.meta.block_table[b].tolist()
@@ -70,6 +71,7 @@ def test_padding_rows_attend_to_nothing_and_write_to_scratch():
     assert step.meta.seq_lens_t.tolist()[3:] == [0] * 5
     assert step.meta.slot_mapping.tolist()[3:] == [396] * 5
     assert step.meta.logits_indices.tolist() == list(range(8))
+    assert step.meta.query_start_loc_t.tolist() == list(range(9))
     assert step.input_ids.shape == (8,)
 
 

@@ -109,3 +109,16 @@ def test_seeded_sampling_on_gpu_is_reproducible(pair):
     a = greedy(make_engine(model), ps, temperature=0.8, seed=7)
     b = greedy(make_engine(model, graphs="off"), ps, temperature=0.8, seed=7)
     assert a == b
+
+
+@pytest.mark.parametrize("kv", ["fp32", "int8"])
+def test_host_tier_forced_equals_gpu_only(pair, kv):
+    """A GPU pool of a few pages with a host tier (swaps, offloaded heads streamed by the dense
+    path, kernels elsewhere) gives the tokens of one big pool."""
+    _, model = pair
+    ps = prompts() + [prompts()[2][:30] + [7, 8, 9]]  # a shared prefix: host-tier hits
+    big = greedy(make_engine(model, kv=kv), ps)
+    small = make_engine(model, kv=kv, num_pages=10, host_kv_mib=16, max_batch=3)
+    assert greedy(small, ps) == big
+    stats = small.stats()["cache"]
+    assert stats.get("swaps_out", 0) + stats.get("offloads", 0) > 0, stats
