@@ -180,7 +180,7 @@ def test_anthropic_error_classes(ant, fake_server):
     with pytest.raises(anthropic.NotFoundError):
         ant.messages.create(model="nope", max_tokens=5, messages=user("hi"))
     with pytest.raises(anthropic.BadRequestError):
-        ant.messages.create(model=MODEL, max_tokens=5000, messages=user("hi"))
+        ant.messages.create(model=MODEL, max_tokens=5, messages=user("word " * 4200))  # prompt past the context
     bad = anthropic.Anthropic(base_url=fake_server.url, api_key="wrong", max_retries=0)
     with pytest.raises(anthropic.AuthenticationError):
         bad.messages.create(model=MODEL, max_tokens=5, messages=user("hi"))
