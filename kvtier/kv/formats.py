@@ -47,6 +47,8 @@ SCALE_DTYPE = torch.float16
 MIN_SCALE = 2.0 ** -14
 
 Parts = dict[str, torch.Tensor]
+# Rotations of at most this many values (64 rows of 128) run as multiply-sum on CUDA, not a GEMM.
+SMALL_ROTATE_ELEMS = 64 * 128
 
 
 def _row_scale(x: torch.Tensor, qmax: float) -> torch.Tensor:
@@ -205,7 +207,12 @@ class KVFormat:
         key = (x.shape[-1], x.device)
         if key not in self._rot:
             self._rot[key] = hadamard(x.shape[-1], x.device)
-        return x.float() @ self._rot[key]
+        r = self._rot[key]
+        if x.is_cuda and x.numel() <= SMALL_ROTATE_ELEMS:
+            # a few rows (decode): cuBLAS picked a ~50 us fp32 kernel for [8, 128] @ [128, 128]
+            # on the H200 (2 per layer: most of a decode step); broadcast-multiply-sum is ~5 us
+            return (x.float().unsqueeze(-1) * r).sum(-2)
+        return x.float() @ r
 
     @property
     def quantized(self) -> bool:
