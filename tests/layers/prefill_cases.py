@@ -85,7 +85,7 @@ INTERP_CASES += [
     ("k8v4", 1, 8, 32, torch.float32, None),  # default blocks
     ("int8", 4, 2, 16, torch.float16, (32, 16, 4, 2)),  # fp16 dots, 8 rows x 4 heads a tile
     ("fp8", 2, 16, 16, torch.float16, INTERP_BLOCKS),  # a page as long as a key tile
-    ("k8v4", 4, 16, 32, torch.float16, (128, 64, 8, 3)),  # the 16-bit default: 32 rows x 4 heads a tile
+    ("k8v4", 4, 16, 32, torch.float16, (128, 64, 8, 3)),  # a Hopper 16-bit shape: 32 rows x 4 heads a tile
 ]
 
 
