@@ -273,9 +273,9 @@ def cmd_bench(a: argparse.Namespace) -> int:
         return run_swap_bench(a.swap_pages, a.page_size, a.out)
     if a.contexts:
         from kvtier.bench.grid import run_grid
-        return run_grid(a)
+        return run_grid(a, _engine_config(a))
     from kvtier.bench.run import run_bench
-    return run_bench(a)
+    return run_bench(a, _engine_config(a))
 
 
 def cmd_plan(a: argparse.Namespace) -> int:
@@ -286,7 +286,7 @@ def cmd_plan(a: argparse.Namespace) -> int:
     for n in plan.notes:
         console.print(f"[yellow]note:[/] {n}")
     if plan.fits:
-        console.print("[green]fits[/]")
+        print("fits")  # the verdict is the command's result: stdout, beside the table
         return 0
     for p in plan.problems:
         console.print(f"[red]does not fit:[/] {p}")

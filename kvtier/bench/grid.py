@@ -26,6 +26,8 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
+from kvtier.config import EngineConfig
+
 from kvtier.bench.run import bench_hf_model, measure_bandwidth, synthetic_ids, _sync
 
 
@@ -77,9 +79,9 @@ def run_batch(engine, prompts: list[list[int]], gen: int) -> tuple[float, float,
     return t_first - t0, t_end - t_first, n
 
 
-def run_grid(a: argparse.Namespace) -> int:
+def run_grid(a: argparse.Namespace, config: EngineConfig) -> int:
+    """config: the EngineConfig the command line asked for; the grid varies its KV format."""
     from kvtier.bench.shapes import kvtier_from_hf, random_hf_model
-    from kvtier.cli import _engine_config
     from kvtier.engine.build import DTYPES, prepare_model, resolve_device
     from kvtier.engine.engine import Engine
     from kvtier.kv.formats import make_format
@@ -88,7 +90,7 @@ def run_grid(a: argparse.Namespace) -> int:
     console = Console()
     if not a.shape:
         raise ValueError("the grid bench runs on a random-weight --shape")
-    base = resolve_device(_engine_config(a))
+    base = resolve_device(config)
     dev, dt = torch.device(base.device), DTYPES[base.dtype]
     hf = random_hf_model(a.shape, dt, dev)
     net = prepare_model(kvtier_from_hf(hf, dt, dev), base)

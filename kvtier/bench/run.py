@@ -17,6 +17,8 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
+from kvtier.config import EngineConfig
+
 # Bytes moved by the bandwidth probe: large enough to defeat caches.
 PROBE_BYTES = 512 * 2**20
 SEED_TEXT = ("The quick brown fox jumps over the lazy dog while the engineers measure how fast "
@@ -194,9 +196,8 @@ def bench_llama_cpp(path: Path, ids: list[int], gen: int, threads: int, bandwidt
 LLAMA_CPP_TIMEOUT_S = 600
 
 
-def _build(a: argparse.Namespace):
+def _build(a: argparse.Namespace, config: EngineConfig):
     """(engine, hf model or path, ids) for a named/path model or a random-weight shape."""
-    from kvtier.cli import _engine_config
     from kvtier.engine.build import DTYPES, build_engine, prepare_model, resolve_device
     from kvtier.engine.engine import Engine
     from kvtier.models.hub import resolve_model
@@ -204,22 +205,23 @@ def _build(a: argparse.Namespace):
     if a.shape:
         from kvtier.bench.shapes import kvtier_from_hf, random_hf_model
 
-        cfg = resolve_device(_engine_config(a))
+        cfg = resolve_device(config)
         dev, dt = torch.device(cfg.device), DTYPES[cfg.dtype]
         hf = random_hf_model(a.shape, dt, dev)
         net = prepare_model(kvtier_from_hf(hf, dt, dev), cfg)
         engine = Engine(net, None, cfg, model_name=f"random-{a.shape}")
         ids = synthetic_ids(a.prompt_tokens, net.spec.vocab_size, 31)
         return engine, hf, ids
-    engine = build_engine(a.model, _engine_config(a), console=Console(stderr=True))
+    engine = build_engine(a.model, config, console=Console(stderr=True))
     return engine, Path(resolve_model(a.model)), prompt_ids(engine.tokenizer, a.prompt_tokens)
 
 
-def run_bench(a: argparse.Namespace) -> int:
+def run_bench(a: argparse.Namespace, config: EngineConfig) -> int:
+    """config: the EngineConfig the command line asked for (kvtier/cli.py)."""
     from kvtier.engine.build import DTYPES
 
     console = Console()
-    engine, ref, ids = _build(a)
+    engine, ref, ids = _build(a, config)
     bw = measure_bandwidth(engine.device)
     if a.cached_tokens:
         vocab = engine.model.spec.vocab_size

@@ -8,24 +8,8 @@ from __future__ import annotations
 
 import torch
 
-# HF config fields of real checkpoints (from their config.json).
-SHAPES: dict[str, dict] = {
-    "qwen3-8b": dict(model_type="qwen3", vocab_size=151936, hidden_size=4096, intermediate_size=12288,
-                     num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
-                     rope_theta=1000000.0, rms_norm_eps=1e-6, max_position_embeddings=131072,
-                     tie_word_embeddings=False),
-    "qwen3-0.6b": dict(model_type="qwen3", vocab_size=151936, hidden_size=1024, intermediate_size=3072,
-                       num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8, head_dim=128,
-                       rope_theta=1000000.0, rms_norm_eps=1e-6, max_position_embeddings=40960,
-                       tie_word_embeddings=True),
-    "qwen2.5-0.5b": dict(model_type="qwen2", vocab_size=151936, hidden_size=896, intermediate_size=4864,
-                         num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
-                         rope_theta=1000000.0, rms_norm_eps=1e-6, max_position_embeddings=32768,
-                         tie_word_embeddings=True),
-    "llama-tiny": dict(model_type="llama", vocab_size=1024, hidden_size=64, intermediate_size=128,
-                       num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                       max_position_embeddings=4096, tie_word_embeddings=False),
-}
+from kvtier.models.shapes import SHAPES
+
 # Std of the random init: small enough that activations stay finite through 36 layers in bf16.
 INIT_STD = 0.02
 

@@ -11,10 +11,8 @@ import asyncio
 import os
 import queue
 import threading
-import time
-from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field, replace
-from pathlib import Path
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
 
 import torch
 
@@ -27,7 +25,7 @@ from kvtier.engine.stops import StopChecker
 from kvtier.kv.formats import make_format
 from kvtier.kv.stats import cache_stats
 from kvtier.kv.manager import CacheManager
-from kvtier.kv.calibrate import calibrate_pool, calibration_tokens
+from kvtier.engine.calibrate import calibrate_pool, calibration_tokens
 from kvtier.kv.pool import PagePool, kv_bytes_per_token
 from kvtier.layers.backends import choose_backend, make_backend
 from kvtier.models.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -94,7 +92,7 @@ class Engine:
                                       cc.page_size, spec.head_dim, "cpu", compute_dtype=compute,
                                       pin=self.device.type == "cuda")
         self.kv_format = fmt.name
-        if fmt.smooth_k:  # fixed smoothing constants before any request (kv/calibrate.py)
+        if fmt.smooth_k:  # fixed smoothing constants before any request (engine/calibrate.py)
             calibrate_pool(model, self.pool, calibration_tokens(tokenizer, spec.vocab_size))
         self.manager = CacheManager(num_pages, cc.page_size, num_host_pages=host_pages,
                                     enable_prefix=cc.enable_prefix_cache,
@@ -166,6 +164,10 @@ class Engine:
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()
+
+    def request_ids(self) -> list[str]:
+        """Ids of the requests added and not yet finished."""
+        return list(self._seqs)
 
     # ---- the step -------------------------------------------------------
     def step(self) -> list[Output]:
@@ -356,7 +358,7 @@ class AsyncEngine:
                 self._deliver(out, out.request_id)
 
     def _fail_all(self, exc: Exception) -> None:
-        for rid in list(self.engine._seqs):
+        for rid in self.engine.request_ids():
             out = self.engine.abort(rid)
             if out is not None:
                 out.finish_reason, out.error = "error", f"engine step failed: {exc}"

@@ -8,17 +8,16 @@
 
 from __future__ import annotations
 
-import argparse
 import math
 import os
 import re
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from rich.console import Console
 from rich.table import Table
 
-from kvtier.config import DEFAULT_PAGE_SIZE, DEFAULT_PREFILL_CHUNK, EngineConfig, ModelSpec, prefill_chunk_for
+from kvtier.config import (CUDA_PREFILL_CHUNK, DEFAULT_PAGE_SIZE, EngineConfig, ModelSpec,
+                           prefill_chunk_for)
 
 GIB = 2**30
 MIB = 2**20
@@ -105,7 +104,7 @@ def host_ram_available() -> int:
 
 def make_plan(spec: ModelSpec, kv_format: str, context: int | None, gpu_limit: int | None,
               host_kv_bytes: int | None, weight_dtype: str = "bf16",
-              prefill_chunk: int = DEFAULT_PREFILL_CHUNK) -> MemoryPlan:
+              prefill_chunk: int = CUDA_PREFILL_CHUNK) -> MemoryPlan:
     from kvtier.kv.formats import make_format
 
     import torch
@@ -176,8 +175,8 @@ def render(plan: MemoryPlan) -> Table:
 
 
 def spec_for(model: str) -> ModelSpec:
-    """ModelSpec of a model name/path, or of a random-weight shape (kvtier.bench.shapes)."""
-    from kvtier.bench.shapes import SHAPES
+    """ModelSpec of a model name/path, or of a named shape (kvtier.models.shapes)."""
+    from kvtier.models.shapes import SHAPES
     from kvtier.models.hub import resolve_model
     from kvtier.models.loading.safetensors import spec_from_config
 
@@ -187,26 +186,12 @@ def spec_for(model: str) -> ModelSpec:
 
 
 def plan_for_args(model: str, kv_dtype: str, context: int | None, gpu_memory_limit: str | None,
-                  host_kv_mib: int, prefill_chunk: int = DEFAULT_PREFILL_CHUNK) -> MemoryPlan:
+                  host_kv_mib: int, prefill_chunk: int = CUDA_PREFILL_CHUNK) -> MemoryPlan:
     """The plan `kvtier plan` prints and `kvtier serve` checks, from CLI values (no weights read)."""
     limit = parse_size(gpu_memory_limit) if gpu_memory_limit else None
     host = host_kv_mib * MIB if host_kv_mib else None
     kv = kv_dtype if kv_dtype != "auto" else "bf16"
     return make_plan(spec_for(model), kv, context, limit, host, prefill_chunk=prefill_chunk)
-
-
-def run_plan(a: argparse.Namespace) -> int:
-    plan = plan_for_args(a.model, a.kv_dtype, a.context, a.gpu_memory_limit, a.host_kv_mib)
-    console = Console()
-    console.print(render(plan))
-    for n in plan.notes:
-        console.print(f"[yellow]note:[/] {n}")
-    if plan.fits:
-        console.print("[green]fits[/]")
-        return 0
-    for p in plan.problems:
-        console.print(f"[red]does not fit:[/] {p}")
-    return 2
 
 
 def checked_engine_config(config: EngineConfig, model: str, gpu_memory_limit: str | None) -> EngineConfig:

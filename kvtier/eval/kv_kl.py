@@ -10,7 +10,7 @@ positions, its 99th percentile and the top-1 agreement with the reference.
 Without --text-file the text is English prose from the Python Language
 Reference that ships with every CPython (`pydoc_data.topics`, code and
 grammar blocks dropped): natural text, always present, deterministic. The
-pools' K smoothing is calibrated first as the engine's is (kv/calibrate.py, on
+pools' K smoothing is calibrated first as the engine's is (engine/calibrate.py, on
 the first CALIBRATION_TOKENS tokens of that prose); the measured tokens are the
 ones after them.
 """
@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from kvtier.kv.calibrate import CALIBRATION_TOKENS, calibrate_pool, calibration_tokens, prose_text
+from kvtier.engine.calibrate import CALIBRATION_TOKENS, calibrate_pool, calibration_tokens, prose_text
 from kvtier.kv.formats import FORMAT_NAMES, make_format
 from kvtier.kv.pool import PagePool
 from kvtier.layers.attention import AttentionMetadata, DensePagedAttention
@@ -46,11 +46,6 @@ class KLResult:
     bytes_per_token: float  # K+V of all layers
 
 
-def default_text() -> str:
-    """The evaluation text: the same fixed prose the engine calibrates K smoothing on."""
-    return prose_text()
-
-
 def _meta(start: int, n: int, page_size: int, device: torch.device) -> AttentionMetadata:
     """One sequence, pages 0..k in order; rows start..start+n-1 are new."""
     ctx = start + n
@@ -68,7 +63,7 @@ def kv_kl(model: torch.nn.Module, tokens: list[int], formats: list[str], chunk: 
     """KL of each format's next-token distributions vs `reference`, over every position of `tokens`.
 
     calibration: token ids the pools' K smoothing is fixed from first, as the engine does
-    (kv/calibrate.py); None: each layer's first write.
+    (engine/calibrate.py); None: each layer's first write.
     """
     layers, kv_heads, head_dim = model.kv_shape
     device = next(model.parameters()).device
@@ -135,7 +130,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.text_file:
         tokens = tok.encode(args.text_file.read_text())[:args.tokens]
     else:  # held out: the prose after the engine's calibration tokens
-        tokens = tok.encode(default_text())[CALIBRATION_TOKENS:CALIBRATION_TOKENS + args.tokens]
+        tokens = tok.encode(prose_text())[CALIBRATION_TOKENS:CALIBRATION_TOKENS + args.tokens]
     if len(tokens) < args.tokens:
         raise ValueError(f"text has only {len(tokens)} tokens, {args.tokens} asked for")
     results = kv_kl(model, tokens, args.formats.split(","), chunk=args.chunk, calibration=calib)

@@ -8,8 +8,8 @@ leading page axis, so pools can move pages generically:
     "k_scale", "v_scale"  [num_pages, kv_heads, page_size, n_scales]   (quantized formats)
 
 K and V are each encoded by a `Codec` (per (token, head) row of head_dim
-values). The codecs here are the plain-PyTorch reference; on CUDA the formats
-call the Triton kernels of kvtier/kernels/kv_quant.py, which match them.
+values). The codecs here are the plain-PyTorch reference; on CUDA the page pool
+(kv/pool.py) calls the Triton kernels of kvtier/kernels/kv_quant.py, which match them.
 
 Two exact transforms make the quantized formats accurate on real models
 (measured in docs/benchmarks.md, "KV quality"):
@@ -202,7 +202,7 @@ class KVFormat:
         self.smooth_k = smooth_k
         self._rot: dict[tuple[int, torch.device], torch.Tensor] = {}
 
-    def _rotate(self, x: torch.Tensor) -> torch.Tensor:
+    def rotate(self, x: torch.Tensor) -> torch.Tensor:
         """x: [..., D] -> x @ R in fp32 (R symmetric orthonormal: its own inverse)."""
         key = (x.shape[-1], x.device)
         if key not in self._rot:
@@ -245,43 +245,36 @@ class KVFormat:
               v: torch.Tensor) -> None:
         """slots: [T] int64 flat slot ids (page * page_size + offset); k, v: [T, H, D]."""
         if self.rotate_k:
-            k = self._rotate(k)
+            k = self.rotate(k)
         if self.rotate_v:
-            v = self._rotate(v)
-        self._store_codes(st, slots, k, v)
+            v = self.rotate(v)
+        self.store_codes(st, slots, k, v)
 
     def load(self, st: dict[str, torch.Tensor], page_ids: torch.Tensor,
              out_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """page_ids: [P] -> k, v: [P, H, S, D] in out_dtype."""
         rot = self.rotate_k or self.rotate_v
-        k, v = self._load_codes(st, page_ids, torch.float32 if rot else out_dtype)
+        k, v = self.load_codes(st, page_ids, torch.float32 if rot else out_dtype)
         if self.rotate_k:
-            k = self._rotate(k)
+            k = self.rotate(k)
         if self.rotate_v:
-            v = self._rotate(v)
+            v = self.rotate(v)
         return k.to(out_dtype), v.to(out_dtype)
 
-    def _store_codes(self, st: dict[str, torch.Tensor], slots: torch.Tensor, k: torch.Tensor,
-                     v: torch.Tensor) -> None:
-        """The codecs (or their kernels) on rows as given: store without transforms."""
-        if slots.device.type == "cuda":
-            from kvtier.kernels import kv_quant
-            if kv_quant.store_rows(self, st, slots, k, v):
-                return
+    def store_codes(self, st: dict[str, torch.Tensor], slots: torch.Tensor, k: torch.Tensor,
+                    v: torch.Tensor) -> None:
+        """The codecs on rows as given (no transforms): the reference of kernels/kv_quant.py
+        store_rows, which PagePool uses on CUDA."""
         s = st["k"].shape[2]
         pages, offs = slots // s, slots % s
         for kv, codec, x in (("k", self.k_codec, k), ("v", self.v_codec, v)):
             for suffix, part in codec.encode(x).items():
                 st[kv + suffix][pages, :, offs] = part
 
-    def _load_codes(self, st: dict[str, torch.Tensor], page_ids: torch.Tensor,
-                    out_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """Decoded rows as stored (still rotated): the codecs or their kernels."""
-        if page_ids.device.type == "cuda":
-            from kvtier.kernels import kv_quant
-            got = kv_quant.load_pages(self, st, page_ids, out_dtype)
-            if got is not None:
-                return got
+    def load_codes(self, st: dict[str, torch.Tensor], page_ids: torch.Tensor,
+                   out_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Decoded rows as stored (still rotated) by the codecs: the reference of
+        kernels/kv_quant.py load_pages, which PagePool uses on CUDA."""
         out = []
         for kv, codec in (("k", self.k_codec), ("v", self.v_codec)):
             parts = {name[len(kv):]: t.index_select(0, page_ids) for name, t in st.items() if name.startswith(kv)}

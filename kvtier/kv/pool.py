@@ -16,6 +16,7 @@ from collections.abc import Sequence
 
 import torch
 
+from kvtier.kernels import kv_quant
 from kvtier.kv.formats import KVFormat
 
 # K smoothing: a channel's scale is at least this fraction of its head's median spread.
@@ -105,7 +106,7 @@ class PagePool:
         """
         if self.fmt.smooth_k and k.shape[0] > 0:
             kf = k.to(torch.promote_types(k.dtype, torch.float32))
-            if self.k_shift[layer] is None:  # not calibrated in advance (kv/calibrate.py)
+            if self.k_shift[layer] is None:  # not calibrated in advance (engine/calibrate.py)
                 self.calibrate(layer, kf)
             k = kf - self.k_shift[layer].to(kf.dtype)
         if self.k_channel_scale[layer] is not None:
@@ -113,11 +114,32 @@ class PagePool:
         if sink is not None and self.sink_slots:  # kept in the stored (rotated) domain, unquantized
             rows, sslots = sink
             ks, vs = k.index_select(0, rows), v.index_select(0, rows)
-            ks = self.fmt._rotate(ks) if self.fmt.rotate_k else ks
-            vs = self.fmt._rotate(vs) if self.fmt.rotate_v else vs
+            ks = self.fmt.rotate(ks) if self.fmt.rotate_k else ks
+            vs = self.fmt.rotate(vs) if self.fmt.rotate_v else vs
             self.sink_k[layer].index_copy_(0, sslots, ks.to(self.compute_dtype))
             self.sink_v[layer].index_copy_(0, sslots, vs.to(self.compute_dtype))
-        self.fmt.store(self.layers[layer], slots, k, v)
+        self._store(self.layers[layer], slots, k, v)
+
+    def _store(self, st: dict[str, torch.Tensor], slots: torch.Tensor, k: torch.Tensor,
+               v: torch.Tensor) -> None:
+        """KVFormat.store: rotate (rotating formats), then the store kernel on CUDA, else the codecs."""
+        fmt = self.fmt
+        if fmt.rotate_k:
+            k = fmt.rotate(k)
+        if fmt.rotate_v:
+            v = fmt.rotate(v)
+        if slots.is_cuda and kv_quant.store_rows(fmt, st, slots, k, v):
+            return
+        fmt.store_codes(st, slots, k, v)
+
+    def _load_codes(self, st: dict[str, torch.Tensor], rows: torch.Tensor,
+                    dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """KVFormat.load_codes through the load kernels on CUDA where a codec has one."""
+        if rows.is_cuda:
+            got = kv_quant.load_pages(self.fmt, st, rows, dtype)
+            if got is not None:
+                return got
+        return self.fmt.load_codes(st, rows, dtype)
 
     def assign_sinks(self, pages: Sequence[int]) -> torch.Tensor | None:
         """Sink slots for pages whose row 0 is about to be written at sequence position 0.
@@ -188,7 +210,7 @@ class PagePool:
     def calibrate(self, layer: int, k: torch.Tensor) -> None:
         """K smoothing constants of one layer from K rows k: [T, H, D], fixed from then on.
 
-        The engine calls it for every layer before serving (kv/calibrate.py: a fixed text,
+        The engine calls it for every layer before serving (engine/calibrate.py: a fixed text,
         so the codes do not depend on which request came first); a pool nobody calibrated
         takes each layer's first write.
 
@@ -251,14 +273,14 @@ class PagePool:
         """Pages `rows` of storage `st` (pages `page_ids` of `pool`, whose sink rows apply)."""
         fmt = self.fmt
         back = not native and self.rotated  # rotate back here: decode in fp32 first
-        k, v = fmt._load_codes(st, rows, torch.float32 if back else self.compute_dtype)
+        k, v = self._load_codes(st, rows, torch.float32 if back else self.compute_dtype)
         self._apply_sinks(pool, layer, k, v, page_ids, starts)
         if native:
             return k, v
         if fmt.rotate_k:
-            k = fmt._rotate(k)
+            k = fmt.rotate(k)
         if fmt.rotate_v:
-            v = fmt._rotate(v)
+            v = fmt.rotate(v)
         scale = self.k_channel_scale[layer]
         if scale is not None:
             k = k * scale[:, None, :]  # [P, H, S, D] * [H, 1, D]
@@ -272,11 +294,11 @@ class PagePool:
         qf = q.float()
         if scale is not None:  # [Hkv, D]: query head h reads kv head h // (Hq / Hkv)
             qf = (qf.unflatten(1, (self.kv_heads, -1)) * scale.float()[:, None, :]).flatten(1, 2)
-        return (self.fmt._rotate(qf) if self.fmt.rotate_k else qf).to(q.dtype)
+        return (self.fmt.rotate(qf) if self.fmt.rotate_k else qf).to(q.dtype)
 
     def native_out(self, o: torch.Tensor) -> torch.Tensor:
         """Attention output over native V -> over V (o: [..., D])."""
-        return self.fmt._rotate(o).to(o.dtype) if self.fmt.rotate_v else o
+        return self.fmt.rotate(o).to(o.dtype) if self.fmt.rotate_v else o
 
     def bytes_per_page(self) -> int:
         """Bytes one page takes across all layers (K, V and scales)."""

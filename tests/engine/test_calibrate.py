@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from kvtier.engine.request import Request, SamplingParams
-from kvtier.kv.calibrate import CALIBRATION_TOKENS, calibrate_pool, calibration_tokens
+from kvtier.engine.calibrate import CALIBRATION_TOKENS, calibrate_pool, calibration_tokens
 from kvtier.kv.formats import make_format
 from kvtier.kv.pool import PagePool
 

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import json
 
-from kvtier.eval.kv_kl import default_text, main
+from kvtier.engine.calibrate import prose_text
+from kvtier.eval.kv_kl import main
 
 
-def test_default_text_is_prose() -> None:
-    text = default_text()
+def test_prose_text_is_prose() -> None:
+    text = prose_text()
     assert len(text) > 50_000 and "def " not in text[:5000]
 
 
