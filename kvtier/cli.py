@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 import time
@@ -40,7 +41,10 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
                    help=f"tokens per prefill step (default {DEFAULT_PREFILL_CHUNK} on CPU, "
                         f"{CUDA_PREFILL_CHUNK} on CUDA)")
     p.add_argument("--no-prefix-cache", action="store_true")
-    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: all cores)")
+    p.add_argument("--decode-threads", type=int, default=None,
+                   help="CPU threads for decode steps (serve default: one core less than --threads, "
+                        "left to the HTTP server and its clients)")
 
 
 def _engine_config(a: argparse.Namespace) -> EngineConfig:
@@ -48,7 +52,8 @@ def _engine_config(a: argparse.Namespace) -> EngineConfig:
                         host_kv_mib=a.host_kv_mib, enable_prefix_cache=not a.no_prefix_cache)
     return EngineConfig(device=a.device, dtype=a.dtype, max_batch=a.max_batch,
                         prefill_chunk=a.prefill_chunk, max_model_len=a.max_model_len,
-                        cache=cache, threads=a.threads, decode_weights=a.decode_weights,
+                        cache=cache, threads=a.threads, decode_threads=a.decode_threads,
+                        decode_weights=a.decode_weights,
                         attention_backend=a.attention_backend, cuda_graphs=a.cuda_graphs)
 
 
@@ -66,6 +71,17 @@ def _params(a: argparse.Namespace):
                           max_tokens=a.max_tokens)
 
 
+def serve_threads(config: EngineConfig) -> EngineConfig:
+    """A server's decode steps leave one core to the HTTP thread and the clients (engine.py
+    Engine._set_threads says why), unless the command line chose."""
+    import torch
+
+    if config.decode_threads is not None:
+        return config
+    threads = config.threads or torch.get_num_threads()
+    return dataclasses.replace(config, decode_threads=max(1, threads - 1))
+
+
 def cmd_serve(a: argparse.Namespace) -> int:
     from kvtier.engine.build import build_engine
     from kvtier.engine.engine import AsyncEngine
@@ -76,7 +92,7 @@ def cmd_serve(a: argparse.Namespace) -> int:
                         max_concurrency=a.max_concurrency, max_queue=a.max_queue,
                         model_name=a.served_name or a.model)
     from kvtier.engine.plan import checked_engine_config
-    config = checked_engine_config(_engine_config(a), a.model, a.gpu_memory_limit)  # refuses before loading
+    config = checked_engine_config(serve_threads(_engine_config(a)), a.model, a.gpu_memory_limit)  # refuses before loading
     engine = build_engine(a.model, config, console=console)
     scfg = ServerConfig(**{**scfg.__dict__, "model_name": a.served_name or engine.model_name})
     url = f"http://{a.host}:{a.port}"
@@ -341,6 +357,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cached-tokens", type=int, default=0, help="prefix-cache TTFT: cached history length")
     p.add_argument("--new-tokens", type=int, default=50, help="prefix-cache TTFT: new tokens after it")
     p.add_argument("--swap-pages", type=int, default=0, help="host->GPU swap bandwidth over N pages")
+    p.add_argument("--serve", action="store_true",
+                   help="also stream the same requests through a real `kvtier serve` child (speed as users see it)")
     p.add_argument("--contexts", default=None,
                    help="grid bench (with --shape): prompt lengths, e.g. 1024,32768")
     p.add_argument("--batches", default="1", help="grid bench: concurrent requests, e.g. 1,32")

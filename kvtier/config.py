@@ -101,6 +101,9 @@ class EngineConfig:
     max_model_len: int | None = None  # None = the model's trained context
     cache: CacheConfig = field(default_factory=CacheConfig)
     threads: int | None = None
+    # CPU threads for decode-only steps (None: `threads`). A server leaves a core to its HTTP
+    # thread and the clients: see kvtier/engine/engine.py Engine._set_threads.
+    decode_threads: int | None = None
     # Small-batch matmul weights: auto = an int8 copy on CPU with bf16 (layers/linear.py), else dense
     decode_weights: str = "auto"
     # layers/backends.py: auto = the fastest the device supports (triton on CUDA, else dense)
@@ -120,6 +123,9 @@ class EngineConfig:
             raise ValueError(f"device must be one of {', '.join(DEVICES)}, got {self.device!r}")
         if self.dtype not in ("auto", "fp32", "bf16", "fp16"):
             raise ValueError(f"dtype must be auto|fp32|bf16|fp16, got {self.dtype!r}")
+        for name in ("threads", "decode_threads"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1")
         if self.max_batch < 1:
             raise ValueError("max_batch must be >= 1")
         if self.prefill_chunk is not None and self.prefill_chunk < 1:

@@ -246,16 +246,36 @@ def run_bench(a: argparse.Namespace, config: EngineConfig) -> int:
         r = bench_llama_cpp(ref, ids, a.gen_tokens, torch.get_num_threads(), bw, console)
         if r is not None:
             results.append(r)
-    _report(console, engine, results, bw, a.out)
+    title = _title(engine, bw)
+    if a.serve and not a.shape:
+        from kvtier.bench.serve import bench_serve
+
+        wbytes = results[0].weight_bytes
+        del engine  # the server child loads its own copy (GPU memory)
+        _free_device_memory()
+        ttft, tok_s, n = bench_serve(a, ids, a.gen_tokens)
+        results.insert(1, Result("kvtier serve, streamed", len(ids), n, ttft, len(ids) / ttft, tok_s, wbytes, bw))
+    _report(console, title, results, a.out)
     return 0
 
 
-def _report(console: Console, engine, results: list[Result], bw: float, out: str | None) -> None:
+def _free_device_memory() -> None:
+    import gc
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def _title(engine, bw: float) -> str:
     dev = torch.cuda.get_device_name() if engine.device.type == "cuda" else \
         f"cpu, {torch.get_num_threads()} threads"
     weights = engine.config.dtype + (", int8/int4 decode weights" if engine.config.decode_weights == "int8" else "")
-    table = Table(title=f"{engine.model_name} ({weights}) on {dev}; "
-                        f"memory bandwidth {bw / 1e9:.1f} GB/s")
+    return f"{engine.model_name} ({weights}) on {dev}; memory bandwidth {bw / 1e9:.1f} GB/s"
+
+
+def _report(console: Console, title: str, results: list[Result], out: str | None) -> None:
+    table = Table(title=title)
     table.add_column("engine", no_wrap=True, min_width=max(len(r.engine) for r in results))
     for col in ("prompt", "gen", "TTFT ms", "prefill tok/s", "decode tok/s", "% BW bound"):
         table.add_column(col, justify="right")

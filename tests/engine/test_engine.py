@@ -6,7 +6,10 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+import torch
 
+from kvtier.config import CacheConfig, EngineConfig
+from kvtier.engine.engine import Engine
 from kvtier.engine.request import ContextOverflowError, Request, SamplingParams
 
 PROMPTS = [
@@ -164,3 +167,29 @@ def test_async_engine_stream_and_abort(smol_parts):
         assert aeng.stats()["running"] == 0 and aeng.stats()["waiting"] == 0
     finally:
         aeng.shutdown()
+
+
+def test_decode_steps_run_on_decode_threads(smol_parts):
+    """CPU: decode-only steps switch torch to `decode_threads`, prefill steps back to all threads
+    (a server leaves a core to its HTTP thread: kvtier serve's default)."""
+    from kvtier.cli import serve_threads
+
+    model, tok = smol_parts
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        cfg = serve_threads(EngineConfig(device="cpu", dtype="fp32", cache=CacheConfig(num_pages=64)))
+        assert cfg.decode_threads == 1
+        eng = Engine(model, tok, cfg, model_name="smollm2-135m")
+        seen = []  # (decode-only step, torch threads while it ran)
+        execute = eng.runner.execute
+
+        def spy(batch):
+            seen.append((batch.num_tokens == len(batch.seqs), torch.get_num_threads()))
+            return execute(batch)
+
+        eng.runner.execute = spy
+        eng.generate_sync([Request("t", tok.encode("Hello there, how are"), SamplingParams(max_tokens=4))])
+        assert seen[0] == (False, 2) and len(seen) > 2 and all(n == 1 for _, n in seen[1:])
+    finally:
+        torch.set_num_threads(before)

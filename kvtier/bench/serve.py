@@ -1,0 +1,94 @@
+"""`kvtier bench --serve`: decode speed as a user sees it, streamed through a real `kvtier serve`.
+
+The server runs in a child process (its own event loop and engine thread, as in production) on a
+free loopback port; this process is the client. Each request sends the bench's token ids to
+/v1/completions with `stream: true` and `ignore_eos`, and times the chunks as they arrive:
+
+    TTFT     request sent -> first text chunk
+    decode   (completion tokens - 1) / (last chunk - first chunk)
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+
+# Seconds a child server may take to load its model and answer /health.
+START_TIMEOUT_S = 300
+# Streamed requests timed (the first one also warms the server up and is not counted).
+SERVE_REPEATS = 3
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def serve_args(a) -> list[str]:
+    """The engine options of this bench run, as `kvtier serve` arguments."""
+    out = ["--model", a.model, "--device", a.device, "--dtype", a.dtype, "--kv-dtype", a.kv_dtype]
+    for flag, val in (("--threads", a.threads), ("--decode-threads", a.decode_threads),
+                      ("--max-model-len", a.max_model_len)):
+        if val is not None:
+            out += [flag, str(val)]
+    return out
+
+
+def bench_serve(a, ids: list[int], gen: int) -> tuple[float, float, int]:
+    """(TTFT s, streamed decode tok/s, completion tokens): the median of SERVE_REPEATS requests."""
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    proc = subprocess.Popen([sys.executable, "-m", "kvtier", "serve", "--port", str(port), *serve_args(a)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        _wait_ready(proc, url)
+        model = httpx.get(url + "/v1/models", timeout=10).json()["data"][0]["id"]
+        # each request rotated so no prefix-cache hit shortens its TTFT
+        runs = [_stream(url, model, ids[7 * i:] + ids[:7 * i], gen) for i in range(SERVE_REPEATS + 1)][1:]
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+    runs.sort(key=lambda r: r[1])
+    return runs[len(runs) // 2]
+
+
+def _wait_ready(proc: subprocess.Popen, url: str) -> None:
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"kvtier serve exited with {proc.returncode}: {proc.stderr.read()[-2000:]}")
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise RuntimeError(f"kvtier serve did not answer /health within {START_TIMEOUT_S} s")
+
+
+def _stream(url: str, model: str, ids: list[int], gen: int) -> tuple[float, float, int]:
+    body = {"model": model, "prompt": ids, "max_tokens": gen, "temperature": 0, "ignore_eos": True,
+            "stream": True, "stream_options": {"include_usage": True}}
+    t0 = time.perf_counter()
+    first = last = None
+    tokens = 0
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=600) as r:
+        r.raise_for_status()
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if chunk.get("usage"):
+                tokens = chunk["usage"]["completion_tokens"]
+            if chunk.get("choices") and chunk["choices"][0].get("text"):
+                last = time.perf_counter()
+                first = first or last
+    if first is None or last is None or tokens < 2:
+        raise RuntimeError("the server streamed no text")
+    return first - t0, (tokens - 1) / max(last - first, 1e-9), tokens
