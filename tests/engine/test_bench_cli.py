@@ -26,3 +26,28 @@ def test_bench_prefix_cache_ttft(tmp_path):
                  "--no-hf", "--out", str(out)]) == 0
     text = out.read_text()
     assert "256 cached + 8 new tokens" in text and "prefix hit" in text
+
+
+def test_bench_serve_streams_through_a_real_server(tmp_path):
+    """--serve: the same token ids streamed through a `kvtier serve` child, as a table row."""
+    out = tmp_path / "serve.md"
+    assert main(["bench", "--model", "smollm2-135m", "--prompt-tokens", "32", "--gen-tokens", "8", "--no-hf",
+                 "--serve", "--out", str(out)]) == 0
+    rows = {ln.split("|")[1].strip(): [c.strip() for c in ln.split("|")[2:-1]]
+            for ln in out.read_text().splitlines() if ln.startswith("| ") and not ln.startswith("| engine")}
+    assert set(rows) == {"kvtier", "kvtier serve, streamed"}
+    prompt, gen, ttft, _, decode = rows["kvtier serve, streamed"][:5]
+    assert (prompt, gen) == ("32", "8") and float(ttft) > 0 and float(decode) > 0
+
+
+def test_grid_bench_rows(tmp_path):
+    """The decode grid: one row per KV format x context x batch, % of bound with KV bytes counted."""
+    out = tmp_path / "grid.md"
+    assert main(["bench", "--shape", "llama-tiny", "--contexts", "40,70", "--batches", "1,2", "--kv-dtypes",
+                 "fp32,int8", "--gen-tokens", "5", "--no-hf", "--out", str(out)]) == 0
+    rows = [ln.split("|")[1:-1] for ln in out.read_text().splitlines()
+            if ln.startswith("| kvtier")]
+    assert len(rows) == 2 * 2 * 2
+    assert {(r[1].strip(), r[2].strip(), r[3].strip()) for r in rows} == {
+        (kv, c, b) for kv in ("fp32", "int8") for c in ("40", "70") for b in ("1", "2")}
+    assert all(float(r[6]) > 0 and r[7].strip().endswith("%") for r in rows)
