@@ -298,14 +298,17 @@ def prepare(ctx, request_id: str, messages: list[dict], tools: list[dict] | None
     """
     check_tool_choice(choice, tools)
     offered = tools if choice.mode != "none" else None
-    text = render_prompt(ctx.tokenizer, messages, offered, template_kwargs) + prefill
-    ids = ctx.outputs.encode(ctx.tokenizer, text)  # earlier replies keep their own token ids
+    # Earlier replies the client sends back unedited keep the token ids the model sampled.
+    prompt = ctx.outputs.render(ctx.tokenizer, messages,
+                                lambda msgs: render_prompt(ctx.tokenizer, msgs, offered, template_kwargs) + prefill)
+    text, ids = prompt.text, prompt.token_ids
     budget = resolve_max_tokens(max_tokens, len(ids), ctx.max_model_len, clamp=clamp_max_tokens)
     params = sampling_params(body, budget, stop)
     grammar = ctx.grammars.for_request(offered, choice, fmt)
     return Prepared(request=Request(request_id, ids, params, grammar=grammar),
                     tools=bool(offered), starts_in_reasoning=starts_in_reasoning(text), prompt_text=text,
-                    tool_names=tuple(t["function"]["name"] for t in offered or []), memory=ctx.outputs)
+                    tool_names=tuple(t["function"]["name"] for t in offered or []), memory=ctx.outputs,
+                    prefill=prefill)
 
 
 def prepare_raw(ctx, request_id: str, ids: list[int], body: Any, max_tokens: int | None,

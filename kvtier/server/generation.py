@@ -20,7 +20,7 @@ from typing import TypeVar
 
 from kvtier.engine.request import ContextOverflowError, Output, Progress, Request, Usage
 from kvtier.server.bare_calls import BareCallHold
-from kvtier.server.history import OutputMemory
+from kvtier.server.history import OutputMemory, Reply, ReplyCall
 from kvtier.server.parsing import (OutputParser, ReasoningDelta, TextDelta, ToolCallArgsDelta,
                                    ToolCallEnd, ToolCallStart)
 
@@ -42,6 +42,7 @@ class Prepared:
     prompt_text: str = ""
     tool_names: tuple[str, ...] = ()
     memory: OutputMemory | None = None  # remembers the output's token ids for the next turn
+    prefill: str = ""  # the assistant text the output continues (part of the turn the client sends back)
 
 
 @dataclass
@@ -75,6 +76,22 @@ class Collected:
     reasoning: str = ""
     tool_calls: list[ToolCallOut] = field(default_factory=list)
     finished: Finished | None = None
+    _calls: dict[int, ToolCallOut] = field(default_factory=dict, repr=False)
+
+    def add(self, ev: object) -> None:
+        """Fold one event in; a call abandoned as malformed gets no End and is left out."""
+        if isinstance(ev, TextDelta):
+            self.content += ev.text
+        elif isinstance(ev, ReasoningDelta):
+            self.reasoning += ev.text
+        elif isinstance(ev, ToolCallStart):
+            self._calls[ev.index] = ToolCallOut(ev.id, ev.name, "")
+        elif isinstance(ev, ToolCallArgsDelta):
+            self._calls[ev.index].arguments += ev.text
+        elif isinstance(ev, ToolCallEnd):
+            self.tool_calls.append(self._calls[ev.index])
+        elif isinstance(ev, Finished):
+            self.finished = ev
 
 
 class ProgressLog:
@@ -158,6 +175,7 @@ async def run_events(engine, prep: Prepared) -> AsyncIterator[object]:
     bare = BareCallHold(prep.tool_names if prep.tools else ())
     done = False
     text, ids = [], []
+    sent = Collected()  # what the client receives, to know the reply when it comes back
     stream = engine.generate(req)
     try:
         async for out in stream:
@@ -176,11 +194,12 @@ async def run_events(engine, prep: Prepared) -> AsyncIterator[object]:
                 phase = _phase(ev, names)
                 if phase:
                     plog.phase = phase
+                sent.add(ev)
                 yield ev
             if out.finished:
                 done = True
                 if prep.memory is not None:
-                    _remember(prep.memory, out, "".join(text), ids)
+                    _remember(prep, out, "".join(text), ids, sent)
                 reason = out.finish_reason
                 if reason in ("stop", "length"):  # tool_calls when calls were made; length if cut in one
                     reason = "tool_calls" if bare.calls else parser.finish_reason(reason)
@@ -198,12 +217,15 @@ async def run_events(engine, prep: Prepared) -> AsyncIterator[object]:
         await _close(stream)
 
 
-def _remember(memory: OutputMemory, last: Output, text: str, ids: list[int]) -> None:
-    """Keep (text, ids) when the ids decode to exactly the text a client will send back."""
-    if last.finish_reason == "length":
-        memory.remember(text, ids)
-    elif last.finish_reason == "stop" and isinstance(last.stop_reason, int):  # stop token: no text of its own
-        memory.remember(text, ids[:-1])
+def _remember(prep: Prepared, last: Output, text: str, ids: list[int], sent: Collected) -> None:
+    """Keep the reply when its ids decode to exactly the text generated (a stop string is cut
+    from the text, so that reply is not kept)."""
+    if last.finish_reason == "stop" and isinstance(last.stop_reason, int):  # stop token: no text of its own
+        ids = ids[:-1]
+    elif last.finish_reason != "length":
+        return
+    calls = tuple(ReplyCall(c.id, c.name, c.arguments) for c in sent.tool_calls)
+    prep.memory.remember(Reply(tuple(ids), text, sent.content, sent.reasoning, calls, lead=prep.prefill))
 
 
 async def _close(stream) -> None:
@@ -218,22 +240,8 @@ async def _close(stream) -> None:
 async def collect(engine, prep: Prepared) -> Collected:
     """Run to completion and gather content, reasoning and tool calls (non-streamed APIs)."""
     res = Collected()
-    calls: dict[int, ToolCallOut] = {}
-    ended: set[int] = set()  # a call abandoned as malformed gets no End and is left out
     async for ev in run_events(engine, prep):
-        if isinstance(ev, TextDelta):
-            res.content += ev.text
-        elif isinstance(ev, ReasoningDelta):
-            res.reasoning += ev.text
-        elif isinstance(ev, ToolCallStart):
-            calls[ev.index] = ToolCallOut(ev.id, ev.name, "")
-        elif isinstance(ev, ToolCallArgsDelta):
-            calls[ev.index].arguments += ev.text
-        elif isinstance(ev, ToolCallEnd):
-            ended.add(ev.index)
-        elif isinstance(ev, Finished):
-            res.finished = ev
-    res.tool_calls = [calls[i] for i in sorted(calls) if i in ended]
+        res.add(ev)
     return res
 
 

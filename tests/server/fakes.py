@@ -85,6 +85,9 @@ class FakeEngine:
         self.token_delay = token_delay
         self.prefill_steps = prefill_steps
         self.script: str | None = None  # overrides the marker lookup when set
+        # text -> the ids "sampled" for it; None: the tokenizer's own encoding. A spelling that
+        # re-encoding never gives shows whether a later prompt reuses the sampled ids.
+        self.spelling = None
         self.running: set[str] = set()
         self.aborted: set[str] = set()
         self.requests: list[Request] = []
@@ -136,7 +139,8 @@ class FakeEngine:
         cached = self._cached(prompt)
         usage = Usage(prompt_tokens=len(prompt), cached_tokens=cached, computed_tokens=len(prompt) - cached)
         prompt_text = self.tokenizer.decode(prompt)
-        target = self.tokenizer.encode(self._text_for(prompt_text))
+        text = self._text_for(prompt_text)
+        target = self.spelling(text) if self.spelling else self.tokenizer.encode(text)
         if "PREFILL" in prompt_text.rsplit("<|im_start|>user", 1)[-1]:
             for i in range(1, self.prefill_steps + 1):
                 await asyncio.sleep(self.token_delay)
