@@ -70,11 +70,11 @@ def build_engine(model: str, config: EngineConfig | None = None, show_progress: 
     t0 = time.monotonic()
     with Progress(*cols, console=console, transient=True, disable=not show_progress) as prog:
         task = prog.add_task(f"reading {Path(path).name}", total=3)
-        ckpt = load_checkpoint(path, dtype=torch.float32)
+        # each tensor dequantized and cast to the compute dtype as it is read (not all in fp32 first)
+        ckpt = load_checkpoint(path, dtype=DTYPES[config.dtype])
         prog.update(task, advance=1, description="building model")
         dev = torch.device(config.device)
-        net = Decoder.from_tensors(ckpt.spec, ckpt.tensors, dtype=DTYPES[config.dtype], device=dev)
-        del ckpt.tensors
+        net = Decoder.from_tensors(ckpt.spec, ckpt.tensors, dtype=DTYPES[config.dtype], device=dev, consume=True)
         prepare_model(net, config, ckpt.metadata.get("tensor_types"))
         prog.update(task, advance=1, description="loading tokenizer")
         tok = Tokenizer.from_checkpoint(ckpt)

@@ -109,22 +109,31 @@ class Decoder(torch.nn.Module):
         layers = []
         for i in range(spec.num_layers):
             p = f"model.layers.{i}."
-            layers.append(DecoderLayer(spec, {n[len(p):]: t for n, t in tensors.items() if n.startswith(p)}))
+            # popped: once the layer holds its (fused) copies, the separate tensors can be freed
+            mine = [n for n in tensors if n.startswith(p)]
+            layers.append(DecoderLayer(spec, {n[len(p):]: tensors.pop(n) for n in mine}))
         self.layers = torch.nn.ModuleList(layers)
         self.rotary = RotaryEmbedding(spec.head_dim, spec.rope_theta, spec.max_position_embeddings,
                                       spec.rope_scaling, dtype=dtype, device=device)
 
     @classmethod
     def from_tensors(cls, spec: ModelSpec, tensors: dict[str, torch.Tensor], dtype: torch.dtype,
-                     device: torch.device | str) -> "Decoder":
-        """Build from HF-named tensors; ValueError names any missing/extra/mis-shaped tensor."""
+                     device: torch.device | str, consume: bool = False) -> "Decoder":
+        """Build from HF-named tensors; ValueError names any missing/extra/mis-shaped tensor.
+
+        consume: empty `tensors` while building, so each source tensor is freed as soon as its
+        layer holds what it needs (peak memory about one model, not two).
+        """
         if dtype not in COMPUTE_DTYPES:
             raise ValueError(f"decoder dtype must be one of {COMPUTE_DTYPES}, got {dtype}")
         check_tensors(spec, tensors)
         bad = [n for n, t in tensors.items() if not t.is_floating_point()]
         if bad:
             raise ValueError(f"tensor {bad[0]} is {tensors[bad[0]].dtype}; the loader must dequantise to float")
-        cast = {n: t.to(device=device, dtype=dtype) for n, t in tensors.items()}
+        if consume:
+            cast = {n: tensors.pop(n).to(device=device, dtype=dtype) for n in list(tensors)}
+        else:
+            cast = {n: t.to(device=device, dtype=dtype) for n, t in tensors.items()}
         with torch.device(device):
             return cls(spec, cast, dtype, device)
 
