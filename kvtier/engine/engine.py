@@ -263,7 +263,8 @@ class Engine:
         return {"running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
                 "steps": self.steps, "preemptions": self.scheduler.preemptions,
                 "kv_format": self.kv_format, "gpu_pages": self.manager.num_gpu_pages,
-                "attention_backend": self.runner.backend.name, "graph_steps": self.runner.graph_steps,
+                "device": self.device.type, "attention_backend": self.runner.backend.name,
+                "graph_steps": self.runner.graph_steps,
                 "host_pages": self.host_pool.num_pages if self.host_pool else 0,
                 "cache": cache_stats(self.manager, self.pool, self.host_pool)}
 

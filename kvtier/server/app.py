@@ -227,6 +227,7 @@ def webui_stats(stats: dict, ctx: ServerContext, admission: Admission) -> dict:
     def tier(name: str) -> dict[str, int]:
         return {f"pages_{s}": int(cache.get(f"{name}_pages_{s}", 0)) for s in KV_PAGE_STATES}
     return {"model": ctx.model_name, "max_model_len": ctx.max_model_len, "kv_format": stats.get("kv_format"),
+            "device": stats.get("device", "cpu"),  # where the first tier lives: labels its gauge
             "running": stats.get("running", 0), "waiting": stats.get("waiting", 0),
             "active": admission.active, "queued": admission.queued, "gpu": tier("gpu"), "host": tier("host"),
             "prompt_tokens": int(cache.get("prompt_tokens", 0)),

@@ -414,9 +414,10 @@
     const pool = $("pool");
     pool.textContent = "";
     pool.append(el("span", "gauge-label", `KV ${st.kv_format || ""}`.trim()));
-    poolGauge(pool, "GPU", st.gpu);
+    const tier = st.device === "cuda" ? "GPU" : "CPU";  // the first tier lives on the compute device
+    poolGauge(pool, tier, st.gpu);
     if (st.host.pages_total) poolGauge(pool, "host", st.host);
-    pool.title = `KV pages (${st.kv_format || "?"}): GPU ${fmt(st.gpu.pages_used)} held, ${fmt(st.gpu.pages_cached)} ` +
+    pool.title = `KV pages (${st.kv_format || "?"}): ${tier} ${fmt(st.gpu.pages_used)} held, ${fmt(st.gpu.pages_cached)} ` +
       `prefix cache, ${fmt(st.gpu.pages_free)} free of ${fmt(st.gpu.pages_total)}` +
       (st.host.pages_total ? `; host ${fmt(st.host.pages_used)} held, ${fmt(st.host.pages_cached)} prefix cache, ` +
        `${fmt(st.host.pages_free)} free of ${fmt(st.host.pages_total)}` : "; no host tier") +
