@@ -270,6 +270,43 @@ def test_multi_turn_tool_session_shares_the_previous_turn_prefix(oai):
         prev = c
 
 
+def test_responses_tool_session_caches_the_whole_previous_turn(oai):
+    """Codex's loop: output items go back as input; turn 2's cache covers turn 1's prompt + reply."""
+    items = [{"type": "message", "role": "system", "content": f"Session {secrets.token_hex(4)}."},
+             {"type": "message", "role": "user", "content": ASK_WEATHER[0]["content"]}]
+    for turn in range(2):
+        r = oai.responses.create(model=MODEL, input=items, tools=[R_WEATHER], tool_choice="required",
+                                 parallel_tool_calls=False, max_output_tokens=CALL_TOKENS, **GREEDY)
+        if turn:
+            seen = prev.usage.input_tokens + prev.usage.output_tokens
+            assert r.usage.input_tokens_details.cached_tokens >= seen // PAGE_SIZE * PAGE_SIZE, (prev.usage, r.usage)
+        calls = [o for o in r.output if o.type == "function_call"]
+        assert calls
+        items += [o.model_dump(exclude_none=True) for o in r.output]
+        items += [{"type": "function_call_output", "call_id": c.call_id, "output": "18 C, sunny"} for c in calls]
+        items.append({"type": "message", "role": "user", "content": "And in Rome?"})
+        prev = r
+
+
+def test_messages_tool_session_caches_the_whole_previous_turn(ant):
+    """Claude Code's loop: tool_use blocks go back with `input` re-serialised by the client."""
+    history = user(ASK_WEATHER[0]["content"])
+    system = f"Session {secrets.token_hex(4)}."
+    for turn in range(2):
+        m = ant.messages.create(model=MODEL, system=system, messages=history, tools=[A_WEATHER],
+                                tool_choice={"type": "any", "disable_parallel_tool_use": True},
+                                max_tokens=CALL_TOKENS, **A_GREEDY)
+        if turn:
+            seen = prev.usage.input_tokens + prev.usage.cache_read_input_tokens + prev.usage.output_tokens
+            assert m.usage.cache_read_input_tokens >= seen // PAGE_SIZE * PAGE_SIZE, (prev.usage, m.usage)
+        assert m.stop_reason == "tool_use"
+        uses = [b for b in m.content if b.type == "tool_use"]
+        history += [{"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in m.content]},
+                    {"role": "user", "content": [{"type": "tool_result", "tool_use_id": b.id, "content": "18 C"}
+                                                 for b in uses] + [{"type": "text", "text": "And in Rome?"}]}]
+        prev = m
+
+
 def test_progress_in_sse_comments_and_server_log(real_server):
     nonce = secrets.token_hex(4)  # a prompt the prefix cache has not seen
     words = " ".join(f"item{i} {nonce}" for i in range(140))  # ~1,500 tokens: a few s of prefill
