@@ -16,7 +16,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
 from kvtier.server.context import ServerContext, Ticket
-from kvtier.server.convert import (OutputFormat, ToolChoice, encode, new_id, prepare, render_prompt, text_of,
+from kvtier.server.convert import (OutputFormat, ToolChoice, new_id, prepare, render_prompt, text_of,
                                    thinking_kwargs, tool_def)
 from kvtier.server.errors import (ANTHROPIC_ERROR_RESPONSES, ANTHROPIC_STREAMING_RESPONSES, Flavor, bad_request,
                                   internal_error_frame, sse_error_data)
@@ -270,5 +270,7 @@ async def count_tokens(body: CountTokensRequest, request: Request) -> dict:
     msgs, prefill = _messages(body)
     tools = _tools(body)
     choice = _choice(body, tools)
-    text = render_prompt(ctx.tokenizer, msgs, tools if choice.mode != "none" else None, _thinking(body))
-    return {"input_tokens": len(encode(ctx.tokenizer, text + prefill))}
+    offered = tools if choice.mode != "none" else None
+    prompt = ctx.outputs.render(  # as the request would be encoded: earlier replies by their own ids
+        ctx.tokenizer, msgs, lambda m: render_prompt(ctx.tokenizer, m, offered, _thinking(body)) + prefill)
+    return {"input_tokens": len(prompt.token_ids)}

@@ -229,10 +229,6 @@ def _apply_template(tokenizer, msgs: list[dict], tools: list[dict] | None, templ
                           param="messages") from e
 
 
-def encode(tokenizer, text: str) -> list[int]:
-    return list(tokenizer.encode(text))
-
-
 def starts_in_reasoning(prompt_text: str) -> bool:
     """True when the generation prompt leaves a <think> block open (e.g. Qwen3 thinking)."""
     tail = prompt_text.rstrip()
