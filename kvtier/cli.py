@@ -90,7 +90,8 @@ def cmd_serve(a: argparse.Namespace) -> int:
     key = a.api_key or os.environ.get("KVTIER_API_KEY")
     scfg = ServerConfig(host=a.host, port=a.port, api_key=key, cors=tuple(a.cors),
                         max_concurrency=a.max_concurrency, max_queue=a.max_queue,
-                        model_name=a.served_name or a.model)
+                        model_name=a.served_name or a.model, default_temperature=a.temperature,
+                        default_top_p=a.top_p, default_top_k=a.top_k, default_min_p=a.min_p)
     from kvtier.engine.plan import checked_engine_config
     config = checked_engine_config(serve_threads(_engine_config(a)), a.model, a.gpu_memory_limit)  # refuses before loading
     engine = build_engine(a.model, config, console=console)
@@ -323,6 +324,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-queue", type=int, default=256, help="requests waiting beyond those; more get 429/529")
     p.add_argument("--served-name", default=None)
     p.add_argument("--open", action="store_true", help="open the chat page in a browser once serving")
+    p.add_argument("--temperature", type=float, default=1.0,
+                   help="sampling default for requests that send none (a request's own value wins)")
+    p.add_argument("--top-p", type=float, default=1.0, help="default top_p (as --temperature)")
+    p.add_argument("--top-k", type=int, default=0, help="default top_k, 0 = off (as --temperature)")
+    p.add_argument("--min-p", type=float, default=0.0, help="default min_p (as --temperature)")
     p.add_argument("--gpu-memory-limit", default=None,
                    help="cap on everything kvtier allocates on the GPU, e.g. 12GiB (checked by `kvtier plan`)")
     p.set_defaults(fn=cmd_serve)

@@ -142,8 +142,18 @@ class ServerConfig:
     max_queue: int = 256
     max_request_bytes: int = 8 * 1024 * 1024
     model_name: str = "smollm2-135m"
+    # Sampling for requests that leave a knob out (llama-server's --temp / --top-p / ...): the
+    # OpenAI defaults unless the operator sets others. A request's own value always wins.
+    default_temperature: float = 1.0
+    default_top_p: float = 1.0
+    default_top_k: int = 0
+    default_min_p: float = 0.0
 
     def __post_init__(self) -> None:
+        if not (0 <= self.default_temperature <= 2):
+            raise ValueError(f"default temperature must be in [0, 2], got {self.default_temperature}")
+        if not (0 < self.default_top_p <= 1) or not (0 <= self.default_min_p <= 1) or self.default_top_k < 0:
+            raise ValueError("default top_p must be in (0, 1], min_p in [0, 1], top_k >= 0")
         if not (0 < self.port < 65536):
             raise ValueError(f"port out of range: {self.port}")
         loopback = self.host in ("127.0.0.1", "localhost", "::1")

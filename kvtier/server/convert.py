@@ -15,6 +15,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
+from kvtier.config import ServerConfig
 from kvtier.engine.request import ContextOverflowError, Request, SamplingParams
 from kvtier.server.errors import APIError, bad_request, overflow_error_from
 from kvtier.server.generation import Prepared
@@ -257,22 +258,29 @@ def stop_list(stop: str | list[str] | None) -> tuple[str, ...]:
     return tuple(s for s in items if s)
 
 
-def sampling_params(body: Any, max_tokens: int, stop: tuple[str, ...]) -> SamplingParams:
-    """Build SamplingParams from the shared knobs; a ValueError there is the client's 400."""
+def sampling_params(body: Any, max_tokens: int, stop: tuple[str, ...], defaults: Any = None) -> SamplingParams:
+    """Build SamplingParams from the shared knobs; a ValueError there is the client's 400.
+
+    defaults: the server's ServerConfig (its default_* knobs fill what the request leaves out).
+    """
     g = body.__dict__.get
+    d = defaults if defaults is not None else _OPENAI_DEFAULTS
     top_k = g("top_k")
     try:
         return SamplingParams(
-            temperature=1.0 if g("temperature") is None else g("temperature"),
-            top_p=1.0 if g("top_p") is None else g("top_p"),
-            top_k=0 if top_k is None or top_k < 0 else top_k,
-            min_p=g("min_p") or 0.0,
+            temperature=d.default_temperature if g("temperature") is None else g("temperature"),
+            top_p=d.default_top_p if g("top_p") is None else g("top_p"),
+            top_k=d.default_top_k if top_k is None or top_k < 0 else top_k,
+            min_p=d.default_min_p if g("min_p") is None else g("min_p"),
             repetition_penalty=g("repetition_penalty") or 1.0,
             presence_penalty=g("presence_penalty") or 0.0,
             frequency_penalty=g("frequency_penalty") or 0.0,
             seed=g("seed"), max_tokens=max_tokens, stop=stop, ignore_eos=bool(g("ignore_eos")))
     except ValueError as e:
         raise bad_request(str(e)) from e
+
+
+_OPENAI_DEFAULTS = ServerConfig()  # temperature 1, top_p 1, no top_k / min_p
 
 
 def check_tool_choice(choice: ToolChoice, tools: list[dict] | None) -> None:
@@ -299,7 +307,7 @@ def prepare(ctx, request_id: str, messages: list[dict], tools: list[dict] | None
                                 lambda msgs: render_prompt(ctx.tokenizer, msgs, offered, template_kwargs) + prefill)
     text, ids = prompt.text, prompt.token_ids
     budget = resolve_max_tokens(max_tokens, len(ids), ctx.max_model_len, clamp=clamp_max_tokens)
-    params = sampling_params(body, budget, stop)
+    params = sampling_params(body, budget, stop, ctx.config)
     grammar = ctx.grammars.for_request(offered, choice, fmt)
     return Prepared(request=Request(request_id, ids, params, grammar=grammar),
                     tools=bool(offered), starts_in_reasoning=starts_in_reasoning(text), prompt_text=text,
@@ -313,7 +321,7 @@ def prepare_raw(ctx, request_id: str, ids: list[int], body: Any, max_tokens: int
     if not ids:
         raise bad_request("the prompt is empty", param="prompt")
     budget = resolve_max_tokens(max_tokens, len(ids), ctx.max_model_len)
-    return Prepared(request=Request(request_id, ids, sampling_params(body, budget, stop)),
+    return Prepared(request=Request(request_id, ids, sampling_params(body, budget, stop, ctx.config)),
                     tools=False, starts_in_reasoning=False, reasoning=False)
 
 

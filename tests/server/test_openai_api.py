@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 import json
 
 from tests.server.fakes import TRICKY_ARGS
@@ -208,3 +210,30 @@ def test_models(client):
     assert body["object"] == "list" and body["data"][0]["id"] == MODEL
     assert client.get(f"/v1/models/{MODEL}").status_code == 200
     assert client.get("/v1/models/other").status_code == 404
+
+
+def test_server_sampling_defaults_fill_what_a_request_leaves_out(engine):
+    """serve --temperature/--top-p/--top-k/--min-p: defaults for omitted knobs; a request's own value wins."""
+    from tests.server.conftest import make_client
+
+    msgs = [{"role": "user", "content": "hi"}]
+    with make_client(engine, default_temperature=0.0, default_top_p=0.9, default_top_k=40,
+                     default_min_p=0.05) as c:
+        assert c.post("/v1/chat/completions", json={"model": "smollm2-135m", "messages": msgs,
+                                                    "max_tokens": 4}).status_code == 200
+        assert c.post("/v1/messages", json={"model": "smollm2-135m", "messages": msgs, "max_tokens": 4,
+                                            "temperature": 0.7}).status_code == 200
+    first, second = (r.params for r in engine.requests[-2:])
+    assert (first.temperature, first.top_p, first.top_k, first.min_p) == (0.0, 0.9, 40, 0.05)
+    assert second.temperature == 0.7 and second.top_k == 40
+    with make_client(engine) as c:  # no defaults set: OpenAI's
+        c.post("/v1/chat/completions", json={"model": "smollm2-135m", "messages": msgs, "max_tokens": 4})
+    p = engine.requests[-1].params
+    assert (p.temperature, p.top_p, p.top_k, p.min_p) == (1.0, 1.0, 0, 0.0)
+
+
+def test_serve_rejects_bad_sampling_defaults():
+    from kvtier.config import ServerConfig
+
+    with pytest.raises(ValueError, match="temperature"):
+        ServerConfig(default_temperature=3.0)
