@@ -68,6 +68,8 @@ def call_prefix(name: str) -> str:
 
 
 CALL_SUFFIX = "}\n</tool_call>"
+# How a bare JSON call begins (tool_call_tag constrains what follows to a call of an offered tool).
+BARE_CALL_TRIGGER = '{"name": "'
 
 
 def format_tool_call(name: str, arguments: str) -> str:
@@ -90,7 +92,13 @@ def tool_call_tag(tools: list[dict], choice: ToolChoice) -> dict:
              "content": {"type": "json_schema", "json_schema": params, "max_whitespace_cnt": MAX_JSON_WHITESPACE}}
             for name, params in specs]
     if choice.mode == "auto":
-        fmt = {"type": "triggered_tags", "triggers": [TOOL_CALL_TRIGGER], "tags": tags,
+        # Small models (Qwen2.5-Coder 0.5B/1.5B) write calls as bare JSON, which bare_calls.py takes
+        # as a call when it is the whole reply: constrain those to the tools' schemas as well.
+        bare = [{"type": "tag", "begin": BARE_CALL_TRIGGER + json.dumps(name, ensure_ascii=False)[1:]
+                 + ', "arguments": ', "end": "}",
+                 "content": {"type": "json_schema", "json_schema": params, "max_whitespace_cnt": MAX_JSON_WHITESPACE}}
+                for name, params in specs]
+        fmt = {"type": "triggered_tags", "triggers": [TOOL_CALL_TRIGGER, BARE_CALL_TRIGGER], "tags": tags + bare,
                "at_least_one": False, "stop_after_first": not choice.parallel}
     else:
         fmt = {"type": "tags_with_separator", "tags": tags, "separator": "\n",

@@ -185,3 +185,20 @@ def test_ebnf_and_errors(tokenizer, cache) -> None:
         cache.json_schema("{not json")
     with pytest.raises(ValueError, match="smaller"):
         GrammarCompilerCache(tokenizer, 1000)
+
+
+def test_auto_mode_constrains_bare_json_calls(cache) -> None:
+    """tool_choice auto (server/convert.py tool_call_tag): free text, and a bare `{"name": "` call,
+    which small models write instead of <tool_call>, must name an offered tool and fit its schema."""
+    from kvtier.server.convert import ToolChoice, tool_call_tag
+
+    compiled = cache.structural_tag(tool_call_tag(TOOLS, ToolChoice(mode="auto")))
+
+    def accepts(text: str) -> bool:
+        return GrammarState(compiled).accept_text(text)
+
+    assert accepts("Sure, here you go.")
+    assert accepts('{"name": "get_weather", "arguments": {"city": "Oslo", "unit": "c", "days": 2}}')
+    assert not accepts('{"name": "rm_rf", "arguments": {}}')  # not an offered tool
+    assert not accepts('{"name": "get_weather", "arguments": {"city": "Oslo", "unit": "kelvin"')  # off-schema
+    assert accepts('<tool_call>\n{"name": "search", "arguments": {"query": "x", "filters": []}}\n</tool_call>')

@@ -53,8 +53,8 @@ def _serve(model_path: Path, *extra: str) -> ServerProcess:
 @pytest.fixture(scope="module")
 def qwen_server(qwen_coder_05b_path):
     """Neither client sends a temperature. Claude Code's turn runs greedy (`--temperature 0`: the
-    same every time); Codex's uses the OpenAI default of 1, because greedy, the 0.5B model repeats
-    a call Codex rejects (an argument outside the tool's schema) until the run times out."""
+    same every time); Codex's uses the OpenAI default of 1: greedy, the 0.5B model keeps calling
+    tools until the run times out (seen with and without the schema-constrained bare calls)."""
     srv = _serve(qwen_coder_05b_path, "--temperature", "0")
     yield srv
     srv.stop()
