@@ -131,6 +131,96 @@ if HAVE_TRITON:
         tl.store(out_ptr + ((p * H + h) * S + s) * D + j, vals, mask=mj)
 
 
+    # _transform SMOOTH modes: what happens to a row before the rotation.
+    SMOOTH_NONE = tl.constexpr(0)
+    SMOOTH_K = tl.constexpr(1)  # (x - shift[h]) / channel_scale[h]: K as the pool stores it
+    SMOOTH_Q = tl.constexpr(2)  # x * channel_scale[h // G]: q in the stored K domain
+    # _transform_store_kernel MODE: the codec of the stored rows.
+    MODE_PLAIN = tl.constexpr(0)
+    MODE_INT8 = tl.constexpr(1)
+    MODE_FP8 = tl.constexpr(2)
+    MODE_INT4 = tl.constexpr(3)
+
+    @triton.jit
+    def _transform(x, ph, shift_ptr, cs_ptr, rot_ptr, D: tl.constexpr, SMOOTH: tl.constexpr,
+                   ROTATE: tl.constexpr):
+        """Rows x [BLOCK_T, D] fp32 of one head -> smoothed (param row ph) and rotated rows, fp32.
+
+        The math of PagePool.write / native_q (fp32, IEEE division) and KVFormat.rotate (x @ R;
+        tf32x3 tensor-core products, about fp32 accuracy).
+        """
+        d = tl.arange(0, D)
+        if SMOOTH == SMOOTH_K:
+            sh = tl.load(shift_ptr + ph * D + d).to(tl.float32)
+            cs = tl.load(cs_ptr + ph * D + d).to(tl.float32)
+            x = tl.math.div_rn(x - sh[None, :], cs[None, :])
+        elif SMOOTH == SMOOTH_Q:
+            cs = tl.load(cs_ptr + ph * D + d).to(tl.float32)
+            x = x * cs[None, :]
+        if ROTATE:
+            r = tl.load(rot_ptr + d[:, None] * D + d[None, :])  # [D, D] fp32
+            x = tl.dot(x, r, input_precision="tf32x3")
+        return x
+
+    @triton.jit(do_not_specialize=["T", "H", "G"])
+    def _transform_rows_kernel(x_ptr, out_ptr, cs_ptr, rot_ptr, stride_xt, stride_xh, stride_ot,
+                               stride_oh, T, H, G, D: tl.constexpr, BLOCK_T: tl.constexpr,
+                               SMOOTH: tl.constexpr, ROTATE: tl.constexpr):
+        """BLOCK_T rows of head h: out = R (x * channel_scale[h // G]) (or R x), in out's dtype."""
+        h = tl.program_id(1)
+        t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+        tm = (t < T)[:, None]
+        d = tl.arange(0, D)[None, :]
+        x = tl.load(x_ptr + t[:, None] * stride_xt + h * stride_xh + d, mask=tm, other=0.0).to(tl.float32)
+        y = _transform(x, h // G, cs_ptr, cs_ptr, rot_ptr, D, SMOOTH, ROTATE)
+        tl.store(out_ptr + t[:, None] * stride_ot + h * stride_oh + d, y.to(out_ptr.dtype.element_ty), mask=tm)
+
+    @triton.jit(do_not_specialize=["T", "H"])
+    def _transform_store_kernel(x_ptr, slot_ptr, data_ptr, scale_ptr, shift_ptr, cs_ptr, rot_ptr,
+                                stride_xt, stride_xh, T, H, S, D: tl.constexpr, BLOCK_T: tl.constexpr,
+                                MODE: tl.constexpr, GROUP: tl.constexpr, SMOOTH: tl.constexpr,
+                                ROTATE: tl.constexpr, QMAX: tl.constexpr, BIAS: tl.constexpr,
+                                MIN_S: tl.constexpr):
+        """BLOCK_T new rows of head h: smooth + rotate + quantize + scatter into their page slots,
+        one launch for what PagePool.write did in ~7 (same codes as the codecs, up to the
+        rotation's last-bit rounding)."""
+        h = tl.program_id(1)
+        t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+        tmask = t < T
+        tm = tmask[:, None]
+        d = tl.arange(0, D)
+        x = tl.load(x_ptr + t[:, None] * stride_xt + h * stride_xh + d[None, :], mask=tm,
+                    other=0.0).to(tl.float32)
+        x = _transform(x, h, shift_ptr, cs_ptr, rot_ptr, D, SMOOTH, ROTATE)
+        slot = tl.load(slot_ptr + t, mask=tmask, other=0).to(tl.int64)
+        row = ((slot // S) * H + h) * S + slot % S  # [BLOCK_T]
+        if MODE == MODE_INT4:
+            NG: tl.constexpr = D // GROUP
+            x3 = tl.reshape(x, (BLOCK_T, NG, GROUP))
+            amax = tl.max(tl.abs(x3), axis=2)  # [BLOCK_T, NG]
+            s = tl.maximum(amax / QMAX, MIN_S).to(tl.float16)
+            y = tl.math.div_rn(x3, s.to(tl.float32)[:, :, None])
+            q = tl.minimum(tl.maximum(tl.floor(y + 0.5), -QMAX), QMAX) + BIAS
+            lo, hi = tl.split(tl.reshape(q, (BLOCK_T, D // 2, 2)))
+            byte = lo.to(tl.uint8) | (hi.to(tl.uint8) << 4)
+            w = tl.arange(0, D // 2)
+            tl.store(data_ptr + row[:, None] * (D // 2) + w[None, :], byte, mask=tm)
+            tl.store(scale_ptr + row[:, None] * NG + tl.arange(0, NG)[None, :], s, mask=tm)
+        elif MODE == MODE_PLAIN:
+            tl.store(data_ptr + row[:, None] * D + d[None, :], x.to(data_ptr.dtype.element_ty), mask=tm)
+        else:
+            amax = tl.max(tl.abs(x), axis=1)
+            s = tl.maximum(amax / QMAX, MIN_S).to(tl.float16)
+            y = tl.math.div_rn(x, s.to(tl.float32)[:, None])
+            if MODE == MODE_FP8:
+                y = tl.minimum(tl.maximum(y, -QMAX), QMAX)
+                q = y.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+            else:
+                q = tl.minimum(tl.maximum(tl.floor(y + 0.5), -QMAX), QMAX).to(tl.int8)
+            tl.store(data_ptr + row[:, None] * D + d[None, :], q, mask=tm)
+            tl.store(scale_ptr + row, s, mask=tmask)
+
+
 def _pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
@@ -215,3 +305,70 @@ def load_pages(fmt: KVFormat, st: dict[str, torch.Tensor], page_ids: torch.Tenso
     k = codec_load(fmt.k_codec, st["k"], st["k_scale"], page_ids, head_dim, out_dtype)
     v = codec_load(fmt.v_codec, st["v"], st["v_scale"], page_ids, head_dim, out_dtype)
     return k, v  # type: ignore[return-value]
+
+
+# Rows per program of the transform kernels: tl.dot needs >= 16; decode steps bring 1-32.
+TRANSFORM_BLOCK_T = 16
+
+
+def transform_supported(x: torch.Tensor) -> bool:
+    """Whether the fused transform kernels take rows x [T, H, D]: Triton, a power-of-two D >= 16."""
+    d = x.shape[-1]
+    return HAVE_TRITON and d >= 16 and d & (d - 1) == 0
+
+
+def transform_rows(x: torch.Tensor, rot: torch.Tensor | None, channel_scale: torch.Tensor | None = None,
+                   out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """x [T, H, D] -> R (x * channel_scale[h // G]) (PagePool.native_q) or R x (native_out) in
+    one launch. channel_scale: [Hkv, D] with H = G * Hkv, or None; rot: [D, D] fp32 or None."""
+    t, h, d = x.shape
+    out = torch.empty((t, h, d), dtype=out_dtype or x.dtype, device=x.device)
+    if t == 0:
+        return out
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    g = h // channel_scale.shape[0] if channel_scale is not None else 1
+    dummy = rot if rot is not None else x
+    grid = (triton.cdiv(t, TRANSFORM_BLOCK_T), h)
+    _transform_rows_kernel[grid](x, out, channel_scale if channel_scale is not None else dummy,
+                                 dummy, x.stride(0), x.stride(1), out.stride(0), out.stride(1), t, h, g,
+                                 D=d, BLOCK_T=TRANSFORM_BLOCK_T,
+                                 SMOOTH=SMOOTH_Q if channel_scale is not None else SMOOTH_NONE,
+                                 ROTATE=rot is not None)
+    return out
+
+
+def _codec_mode(codec: Codec) -> tuple[int, float, int]:
+    """(MODE, QMAX, GROUP) of a codec for _transform_store_kernel."""
+    if isinstance(codec, PlainCodec):
+        return 0, 1.0, 1
+    if isinstance(codec, Int8Codec):
+        return 1, float(INT8_MAX), 1
+    if isinstance(codec, Fp8Codec):
+        return 2, FP8_E4M3_MAX, 1
+    if isinstance(codec, Int4Codec):
+        return 3, float(INT4_MAX), 0
+    raise ValueError(f"no fused store for codec {type(codec).__name__}")
+
+
+def transform_store(codec: Codec, x: torch.Tensor, slots: torch.Tensor, data: torch.Tensor,
+                    scale: torch.Tensor | None, rot: torch.Tensor | None,
+                    smooth: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+    """Rows x [T, H, D] -> (x - shift) / channel_scale (smooth = (shift, scale), each [H, D]),
+    rotated by rot [D, D] (or not), encoded by `codec` into data/scale pages at slots [T]."""
+    t, h, d = x.shape
+    if t == 0:
+        return
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    mode, qmax, group = _codec_mode(codec)
+    if isinstance(codec, Int4Codec):
+        group = codec.group_for(d)
+    dummy = rot if rot is not None else x
+    shift, cs = smooth if smooth is not None else (dummy, dummy)
+    grid = (triton.cdiv(t, TRANSFORM_BLOCK_T), h)
+    _transform_store_kernel[grid](x, slots, data, scale if scale is not None else data, shift, cs, dummy,
+                                  x.stride(0), x.stride(1), t, h, data.shape[2], D=d,
+                                  BLOCK_T=TRANSFORM_BLOCK_T, MODE=mode, GROUP=max(group, 1),
+                                  SMOOTH=SMOOTH_K if smooth is not None else SMOOTH_NONE,
+                                  ROTATE=rot is not None, QMAX=qmax, BIAS=float(INT4_BIAS), MIN_S=MIN_SCALE)

@@ -202,12 +202,16 @@ class KVFormat:
         self.smooth_k = smooth_k
         self._rot: dict[tuple[int, torch.device], torch.Tensor] = {}
 
+    def rotation(self, head_dim: int, device: torch.device) -> torch.Tensor:
+        """R [D, D] fp32 on `device` (cached): the matrix `rotate` multiplies by."""
+        key = (head_dim, torch.device(device))
+        if key not in self._rot:
+            self._rot[key] = hadamard(head_dim, device)
+        return self._rot[key]
+
     def rotate(self, x: torch.Tensor) -> torch.Tensor:
         """x: [..., D] -> x @ R in fp32 (R symmetric orthonormal: its own inverse)."""
-        key = (x.shape[-1], x.device)
-        if key not in self._rot:
-            self._rot[key] = hadamard(x.shape[-1], x.device)
-        r = self._rot[key]
+        r = self.rotation(x.shape[-1], x.device)
         if x.is_cuda and x.numel() <= SMALL_ROTATE_ELEMS:
             # a few rows (decode): cuBLAS picked a ~50 us fp32 kernel for [8, 128] @ [128, 128]
             # on the H200 (2 per layer: most of a decode step); broadcast-multiply-sum is ~5 us

@@ -104,21 +104,51 @@ class PagePool:
         page of this pool (and every page copied from it) shares the shift, and
         attention over them is exact (softmax is shift-invariant per query).
         """
-        if self.fmt.smooth_k and k.shape[0] > 0:
+        if self.fmt.smooth_k and k.shape[0] > 0 and self.k_shift[layer] is None:
+            self.calibrate(layer, k)  # not calibrated in advance (engine/calibrate.py)
+        if sink is not None and self.sink_slots:  # kept in the stored (rotated) domain, unquantized
+            rows, sslots = sink
+            ks, vs = self._stored_domain(layer, k.index_select(0, rows), v.index_select(0, rows))
+            self.sink_k[layer].index_copy_(0, sslots, ks.to(self.compute_dtype))
+            self.sink_v[layer].index_copy_(0, sslots, vs.to(self.compute_dtype))
+        if slots.is_cuda and self._fused_store(layer, slots, k, v):
+            return
+        k = self._smoothed(layer, k)
+        self._store(self.layers[layer], slots, k, v)
+
+    def _smoothed(self, layer: int, k: torch.Tensor) -> torch.Tensor:
+        """k [T, H, D] -> (k - shift) / channel_scale in fp32 (formats without smoothing: k)."""
+        if self.fmt.smooth_k:
             kf = k.to(torch.promote_types(k.dtype, torch.float32))
-            if self.k_shift[layer] is None:  # not calibrated in advance (engine/calibrate.py)
-                self.calibrate(layer, kf)
             k = kf - self.k_shift[layer].to(kf.dtype)
         if self.k_channel_scale[layer] is not None:
             k = k / self.k_channel_scale[layer].to(k.dtype)
-        if sink is not None and self.sink_slots:  # kept in the stored (rotated) domain, unquantized
-            rows, sslots = sink
-            ks, vs = k.index_select(0, rows), v.index_select(0, rows)
-            ks = self.fmt.rotate(ks) if self.fmt.rotate_k else ks
-            vs = self.fmt.rotate(vs) if self.fmt.rotate_v else vs
-            self.sink_k[layer].index_copy_(0, sslots, ks.to(self.compute_dtype))
-            self.sink_v[layer].index_copy_(0, sslots, vs.to(self.compute_dtype))
-        self._store(self.layers[layer], slots, k, v)
+        return k
+
+    def _stored_domain(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows as the format encodes them: smoothed K, then rotated K / V (rotating formats)."""
+        k = self._smoothed(layer, k)
+        return (self.fmt.rotate(k) if self.fmt.rotate_k else k), (self.fmt.rotate(v) if self.fmt.rotate_v else v)
+
+    def _fused_store(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+        """Quantized formats on CUDA: smooth + rotate + encode + scatter in one kernel per K and V
+        (kernels/kv_quant.py transform_store); False where it does not apply (plain formats
+        keep their copy kernel, odd head dims the reference path)."""
+        fmt = self.fmt
+        if not fmt.quantized or not kv_quant.transform_supported(k):
+            return False
+        st, d = self.layers[layer], k.shape[-1]
+        smooth = None
+        if fmt.smooth_k or self.k_channel_scale[layer] is not None:
+            shift, scale = self.k_shift[layer], self.k_channel_scale[layer]
+            if shift is None or scale is None:
+                return False
+            smooth = (shift, scale)
+        for kv, codec, x, rotated, sm in (("k", fmt.k_codec, k, fmt.rotate_k, smooth),
+                                          ("v", fmt.v_codec, v, fmt.rotate_v, None)):
+            rot = fmt.rotation(d, x.device) if rotated else None
+            kv_quant.transform_store(codec, x, slots, st[kv], st.get(kv + "_scale"), rot, sm)
+        return True
 
     def _store(self, st: dict[str, torch.Tensor], slots: torch.Tensor, k: torch.Tensor,
                v: torch.Tensor) -> None:
@@ -291,6 +321,9 @@ class PagePool:
         scale = self.k_channel_scale[layer]
         if scale is None and not self.fmt.rotate_k:
             return q
+        if q.is_cuda and kv_quant.transform_supported(q):  # one kernel
+            rot = self.fmt.rotation(q.shape[-1], q.device) if self.fmt.rotate_k else None
+            return kv_quant.transform_rows(q, rot, scale)
         qf = q.float()
         if scale is not None:  # [Hkv, D]: query head h reads kv head h // (Hq / Hkv)
             qf = (qf.unflatten(1, (self.kv_heads, -1)) * scale.float()[:, None, :]).flatten(1, 2)
@@ -298,7 +331,11 @@ class PagePool:
 
     def native_out(self, o: torch.Tensor) -> torch.Tensor:
         """Attention output over native V -> over V (o: [..., D])."""
-        return self.fmt.rotate(o).to(o.dtype) if self.fmt.rotate_v else o
+        if not self.fmt.rotate_v:
+            return o
+        if o.is_cuda and o.dim() == 3 and kv_quant.transform_supported(o):
+            return kv_quant.transform_rows(o, self.fmt.rotation(o.shape[-1], o.device))
+        return self.fmt.rotate(o).to(o.dtype)
 
     def bytes_per_page(self) -> int:
         """Bytes one page takes across all layers (K, V and scales)."""

@@ -28,6 +28,16 @@ def test_kernels_match_reference_cuda(name: str, dtype: torch.dtype, head_dim: i
                      device="cuda", dtype=dtype, exact_fp8=True)
 
 
+@pytest.mark.parametrize("name", QUANT_FORMATS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_fused_transform_store_matches_pool_reference_cuda(name: str, dtype: torch.dtype, head_dim: int) -> None:
+    """smooth + rotate + encode in one kernel (and native_q / native_out kernels) == the reference."""
+    import kvtier.kernels.kv_quant as kq
+    kernel_cases.check_fused_store(kq, name, heads=8, page_size=16, head_dim=head_dim, num_pages=64,
+                                   n_rows=333, device="cuda", dtype=dtype, gqa=4)
+
+
 @pytest.mark.parametrize("name", ["fp32", "bf16", "fp16"])
 def test_plain_store_kernel_matches_reference_cuda(name: str) -> None:
     import kvtier.kernels.kv_quant as kq
