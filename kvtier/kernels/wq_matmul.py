@@ -1,0 +1,527 @@
+"""Weight-only quantized matmul: y = x @ dequant(W)^T (+ bias) (+ residual) for the QuantWeight layout.
+
+    x [M, K] bf16 / fp16 / fp32,  W: QuantWeight [N, K] (bits 4 or 8, group 16..128, mins or not)
+    -> y [M, N] in x.dtype; fp32 accumulation, one rounding at the end (as the reference).
+
+Three paths, chosen by M (`wq_linear`):
+
+    M <= SKINNY_MAX_M   `wq_skinny`: decode. Reads every code byte once; bandwidth-bound.
+                        grid (cdiv(N, BLOCK_N), split_k, cdiv(M, BLOCK_M)); a program owns
+                        BLOCK_N rows of W, K / split_k of K, BLOCK_M rows of x:
+                            rows of W:  | prog 0 | prog 1 | ...            (axis 0)
+                            K:          | split 0 | split 1 | ...          (axis 1)
+                        split_k > 1 writes fp32 partials [split_k, M, N], summed in a fixed
+                        order by `_reduce_kernel` (deterministic, no atomics), which also runs
+                        the epilogue. Inner product on CUDA cores (M <= FMA_MAX_M: BLOCK_M
+                        rows of x multiply-summed against each unpacked code) or on tensor
+                        cores with W's rows as the MMA's M side (swap-AB: x^T is the [K, 16+]
+                        operand, so M = 1..32 costs one m16 tile, not 128).
+    M < DEQUANT_MIN_M   `wq_gemm`: a tiled GEMM that dequantizes each [BLOCK_N, BLOCK_K] weight
+                        tile in registers and feeds it to tl.dot (the mixed-precision pattern).
+    M >= DEQUANT_MIN_M  `wq_dequant_matmul`: dequantize W into a scratch [chunk, K] in x.dtype
+                        (`_dequant_kernel`), then cuBLAS; the extra ~2 + 2 bytes a weight are
+                        small against 2 M flops a weight once M is large.
+
+Tricks behind switches (SkinnyConfig) so tools/sweep_wq.py can time each:
+  * group_scale: sum_k x_k (q_k s + m) = s sum_k x_k q_k + m sum_k x_k; the scale and min are
+    applied once per group to the partial sums (sum x per group computed once per program),
+    not once per weight.
+  * words: 4-bit / 8-bit codes loaded as int32 words (8 / 4 codes a load) and unpacked with
+    shifts and masks, vs bytes.
+  * fast_cvt: int -> fp32 by OR-ing the code into the mantissa of 2^23 and subtracting 2^23
+    (one LOP + one FADD) instead of cvt.rn.f32.s32, whose throughput (16/clk/SM on sm_90)
+    cannot keep up with 4-bit codes at full bandwidth.
+
+Every launch depends on shapes only and reads nothing back on the host: CUDA-graph capturable.
+`wq_linear_reference` is the plain-PyTorch definition (fp32 dequantize + matmul) that CPU runs
+and every kernel is tested against (tests/layers/wq_matmul_cases.py, tests/gpu/test_wq_matmul.py).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+
+from kvtier.layers.qweight import QuantWeight
+
+try:
+    import triton
+    import triton.language as tl
+    HAVE_TRITON = True
+except ImportError:  # CPU-only installs: the reference path only
+    HAVE_TRITON = False
+
+# Rows of x up to which the skinny kernel runs: batch-32 decode reads W once for all 32 rows
+# in one m32 tile; above it the GEMM's 64+ row tiles reuse W better.
+SKINNY_MAX_M = 32
+# Rows of x up to which the skinny kernel multiply-sums on CUDA cores by default: each extra
+# row adds an FMA per weight to ~5 ALU ops of unpacking, while the tensor-core path pads x to
+# 16 rows for free; 1 until the sweep says otherwise.
+FMA_MAX_M = 1
+# Rows of x from which dequantize-then-cuBLAS beats the fused GEMM: dequantizing reads 0.5-1 and
+# writes 2 bytes a weight (~15 us for a 4096 x 4096 layer on an H200), noise against a cuBLAS
+# GEMM of 2 * 1024 * N * K flops, while the fused GEMM's register dequant costs every M tile.
+DEQUANT_MIN_M = 1024
+# Dense scratch of wq_dequant_matmul at most this many elements (256 MiB of bf16): bigger
+# weights (lm_head, 151936 x 4096) are dequantized and multiplied in row chunks.
+DEQUANT_MAX_ELEMS = 1 << 27
+# Codes tile of the dequantize kernel: [64 rows, 256 columns], 8 warps.
+DEQUANT_BLOCK = (64, 256, 8)
+# Split-K: aim at this many programs per SM (several resident programs hide load latency),
+SPLIT_PROGRAMS_PER_SM = 4
+# ... with every split at least this many columns (two 256-wide iterations) ...
+MIN_SPLIT_K = 512
+# ... and the fp32 partials (written + read) at most this share of the weight bytes.
+PARTIAL_BUDGET = 0.1
+# Columns of the split-K reduce program.
+REDUCE_BLOCK = 1024
+# Smallest operand side Triton's tl.dot takes.
+MIN_DOT = 16
+# Largest BLOCK_M of the CUDA-core path ([BLOCK_M, BLOCK_N, BLOCK_K] products in registers).
+MAX_FMA_BLOCK_M = 4
+# Programs per SM assumed off CUDA (the interpreter), so split-K has a capacity to aim at.
+INTERPRETER_SMS = 2
+
+
+@dataclass(frozen=True)
+class SkinnyConfig:
+    """Launch parameters of `wq_skinny` (block_k: codes a program iteration reads per row)."""
+
+    block_n: int = 32
+    block_k: int = 256
+    num_warps: int = 4
+    num_stages: int = 3
+    use_dot: bool = False  # tensor cores (swap-AB tl.dot) vs CUDA-core multiply-sum
+    group_scale: bool = True  # scale/min per group after the partial sum (see module docstring)
+    words: bool = True  # codes loaded as int32 words
+    fast_cvt: bool = True  # int -> fp32 by the 2^23 mantissa trick
+    split_k: int = 0  # 0: `choose_split_k`
+
+
+@dataclass(frozen=True)
+class GemmConfig:
+    """Launch parameters of `wq_gemm` (group_m: M tiles walked per N tile, for L2 reuse of W)."""
+
+    block_m: int = 128
+    block_n: int = 128
+    block_k: int = 64
+    num_warps: int = 8
+    num_stages: int = 3
+    group_m: int = 8
+    words: bool = False
+    fast_cvt: bool = True
+
+
+# Defaults by regime (to be replaced by the sweep's winners, tools/sweep_wq.py).
+FMA_CONFIG = SkinnyConfig()
+DOT_CONFIG = SkinnyConfig(block_n=64, block_k=256, use_dot=True, group_scale=False)
+GEMM_CONFIG = GemmConfig()
+
+
+# ---------------------------------------------------------------- plain-PyTorch reference
+
+def wq_linear_reference(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None = None,
+                        residual: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] @ dequant(w)^T [K, N] (+ bias [N]) (+ residual [M, N]) -> [M, N] in x.dtype, all in fp32."""
+    _check(x, w, bias, residual)
+    y = x.float() @ w.dequantize(torch.float32).t()
+    if bias is not None:
+        y = y + bias.float()
+    if residual is not None:
+        y = y + residual.float()
+    return y.to(x.dtype)
+
+
+def _check(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None, residual: torch.Tensor | None) -> None:
+    n, k = w.shape
+    if x.dim() != 2 or x.shape[1] != k or not x.dtype.is_floating_point:
+        raise ValueError(f"wq_linear: x must be a float [M, {k}] tensor, got {x.dtype} {tuple(x.shape)}")
+    if bias is not None and tuple(bias.shape) != (n,):
+        raise ValueError(f"wq_linear: bias must be [{n}], got {tuple(bias.shape)}")
+    if residual is not None and tuple(residual.shape) != (x.shape[0], n):
+        raise ValueError(f"wq_linear: residual must be [{x.shape[0]}, {n}], got {tuple(residual.shape)}")
+
+
+# ---------------------------------------------------------------- dispatch
+
+def kernel_supports(w: QuantWeight) -> bool:
+    """Groups the kernels tile: powers of two from 16 (tl.dot's smallest K)."""
+    return w.group >= MIN_DOT and w.group & (w.group - 1) == 0
+
+
+def wq_linear(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None = None,
+              residual: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] @ dequant(w)^T (+ bias [N]) (+ residual [M, N]) -> [M, N] in x.dtype.
+
+    Triton kernels on CUDA (the path by M: module docstring); the reference anywhere else and
+    for groups the kernels do not tile. `residual` is added in the kernel's epilogue (the
+    decoder's h + o_proj(attn)).
+    """
+    _check(x, w, bias, residual)
+    if not (HAVE_TRITON and x.is_cuda and w.device == x.device and kernel_supports(w)):
+        return wq_linear_reference(x, w, bias, residual)
+    m = x.shape[0]
+    if m <= SKINNY_MAX_M:
+        return wq_skinny(x, w, bias, residual, FMA_CONFIG if m <= FMA_MAX_M else DOT_CONFIG)
+    if m < DEQUANT_MIN_M:
+        return wq_gemm(x, w, bias, residual, GEMM_CONFIG)
+    return wq_dequant_matmul(x, w, bias, residual)
+
+
+# ---------------------------------------------------------------- Triton kernels
+
+if HAVE_TRITON:
+    @triton.jit
+    def _to_float(c, BITS: tl.constexpr, FAST_CVT: tl.constexpr):
+        """int32 codes -> exact fp32. FAST_CVT: 2^23 + c as bits (c + 128 for signed 8-bit) minus 2^23."""
+        if FAST_CVT:
+            if BITS == 4:
+                f = (c | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+            else:
+                f = ((c + 128) | 0x4B000000).to(tl.float32, bitcast=True) - 8388736.0
+        else:
+            f = c.to(tl.float32)
+        return f
+
+    @triton.jit
+    def _codes(q_ptr, rows, k0, K, BITS: tl.constexpr, R: tl.constexpr, BLOCK_K: tl.constexpr,
+               WORDS: tl.constexpr):
+        """Codes of W rows `rows` [R] (int64), columns k0 .. k0 + BLOCK_K -> int32 [R, BLOCK_K].
+
+        q_ptr: uint8 [N, K/2] / int8 [N, K] (bytes), or the same memory as int32 (WORDS). A
+        little-endian word holds columns 8j .. 8j+7 (4-bit, nibble i at bits 4i) or 4j .. 4j+3
+        (8-bit, byte i at bits 8i); the joins below put them back in column order.
+        """
+        if BITS == 4:
+            if WORDS:
+                wd = tl.load(q_ptr + rows[:, None] * (K // 8) + k0 // 8 + tl.arange(0, BLOCK_K // 8)[None, :])
+                n0 = wd & 0xF
+                n1 = (wd >> 4) & 0xF
+                n2 = (wd >> 8) & 0xF
+                n3 = (wd >> 12) & 0xF
+                n4 = (wd >> 16) & 0xF
+                n5 = (wd >> 20) & 0xF
+                n6 = (wd >> 24) & 0xF
+                n7 = (wd >> 28) & 0xF
+                # index [.., a, b, c] of the nested joins is column 4a + 2b + c of the word
+                t0 = tl.join(tl.join(n0, n4), tl.join(n2, n6))
+                t1 = tl.join(tl.join(n1, n5), tl.join(n3, n7))
+                c = tl.reshape(tl.join(t0, t1), (R, BLOCK_K))
+            else:
+                b = tl.load(q_ptr + rows[:, None] * (K // 2) + k0 // 2
+                            + tl.arange(0, BLOCK_K // 2)[None, :]).to(tl.int32)
+                c = tl.reshape(tl.join(b & 0xF, b >> 4), (R, BLOCK_K))
+        else:
+            if WORDS:
+                wd = tl.load(q_ptr + rows[:, None] * (K // 4) + k0 // 4 + tl.arange(0, BLOCK_K // 4)[None, :])
+                # index [.., a, c] is column 2a + c; << then arithmetic >> sign-extends each byte
+                t0 = tl.join(wd << 24 >> 24, wd << 8 >> 24)
+                t1 = tl.join(wd << 16 >> 24, wd >> 24)
+                c = tl.reshape(tl.join(t0, t1), (R, BLOCK_K))
+            else:
+                c = tl.load(q_ptr + rows[:, None] * K + k0 + tl.arange(0, BLOCK_K)[None, :]).to(tl.int32)
+        return c
+
+    @triton.jit
+    def _group_params(s_ptr, mn_ptr, rows, k0, K, GROUP: tl.constexpr, GPI: tl.constexpr,
+                      HAS_MINS: tl.constexpr):
+        """Scales and mins [R, GPI] fp32 of the GPI groups from column k0 (mins 0 without HAS_MINS)."""
+        offs = rows[:, None] * (K // GROUP) + k0 // GROUP + tl.arange(0, GPI)[None, :]
+        sc = tl.load(s_ptr + offs).to(tl.float32)
+        if HAS_MINS:
+            mn = tl.load(mn_ptr + offs).to(tl.float32)
+        else:
+            mn = tl.zeros_like(sc)
+        return sc, mn
+
+    @triton.jit
+    def _dequant(q_ptr, s_ptr, mn_ptr, rows, k0, K, BITS: tl.constexpr, GROUP: tl.constexpr,
+                 HAS_MINS: tl.constexpr, R: tl.constexpr, BLOCK_K: tl.constexpr, WORDS: tl.constexpr,
+                 FAST_CVT: tl.constexpr):
+        """W[rows, k0 .. k0 + BLOCK_K] = code * scale + min: fp32 [R, BLOCK_K]."""
+        GPI: tl.constexpr = BLOCK_K // GROUP
+        q = _to_float(_codes(q_ptr, rows, k0, K, BITS, R, BLOCK_K, WORDS), BITS, FAST_CVT)
+        sc, mn = _group_params(s_ptr, mn_ptr, rows, k0, K, GROUP, GPI, HAS_MINS)
+        w = tl.reshape(q, (R, GPI, GROUP)) * sc[:, :, None]
+        if HAS_MINS:
+            w += mn[:, :, None]
+        return tl.reshape(w, (R, BLOCK_K))
+
+    @triton.jit
+    def _epilogue(acc, n, m, mask, b_ptr, r_ptr, y_ptr, N, stride_rm, HAS_BIAS: tl.constexpr,
+                  HAS_RES: tl.constexpr):
+        """y[m, n] = acc (+ bias[n]) (+ residual[m, n]) rounded once; n, m broadcast to acc's shape."""
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + n, mask=n < N, other=0.0).to(tl.float32)
+        if HAS_RES:
+            acc += tl.load(r_ptr + m.to(tl.int64) * stride_rm + n, mask=mask, other=0.0).to(tl.float32)
+        tl.store(y_ptr + m.to(tl.int64) * N + n, acc.to(y_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit(do_not_specialize=["M", "split_len"])
+    def _skinny_kernel(x_ptr, q_ptr, s_ptr, mn_ptr, b_ptr, r_ptr, y_ptr, p_ptr, M, N, K, split_len,
+                       stride_xm, stride_rm, BITS: tl.constexpr, GROUP: tl.constexpr,
+                       HAS_MINS: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr,
+                       BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+                       PARTIAL: tl.constexpr, USE_DOT: tl.constexpr, GROUP_SCALE: tl.constexpr,
+                       WORDS: tl.constexpr, FAST_CVT: tl.constexpr, DOT_PREC: tl.constexpr):
+        """Program (n block, K split, m block): acc[n, m] = sum over the split's K of W[n, k] x[m, k]."""
+        pid_n = tl.program_id(0)
+        pid_k = tl.program_id(1)
+        pid_m = tl.program_id(2)
+        GPI: tl.constexpr = BLOCK_K // GROUP  # groups per iteration
+        n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        rows = tl.minimum(n, N - 1).to(tl.int64)  # tail rows/columns re-read the last one;
+        xrow = tl.minimum(m, M - 1).to(tl.int64) * stride_xm  # the stores mask them out
+        if USE_DOT:
+            acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+        else:
+            acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        k_lo = pid_k * split_len
+        for k0 in range(k_lo, k_lo + split_len, BLOCK_K):
+            kk = k0 + tl.arange(0, BLOCK_K)
+            if GROUP_SCALE:
+                q = _to_float(_codes(q_ptr, rows, k0, K, BITS, BLOCK_N, BLOCK_K, WORDS), BITS, FAST_CVT)
+                sc, mn = _group_params(s_ptr, mn_ptr, rows, k0, K, GROUP, GPI, HAS_MINS)  # [BN, GPI]
+            else:
+                w = _dequant(q_ptr, s_ptr, mn_ptr, rows, k0, K, BITS, GROUP, HAS_MINS, BLOCK_N, BLOCK_K,
+                             WORDS, FAST_CVT)  # [BN, BK] fp32
+            if USE_DOT:
+                xt = tl.load(x_ptr + xrow[None, :] + kk[:, None])  # x^T [BK, BM]
+                if GROUP_SCALE:  # one [BN, G] x [G, BM] product per group, then scale it
+                    q3 = tl.permute(tl.reshape(q, (BLOCK_N, GPI, GROUP)), (1, 0, 2)).to(xt.dtype)
+                    x3 = tl.reshape(xt, (GPI, GROUP, BLOCK_M))
+                    part = tl.dot(q3, x3, input_precision=DOT_PREC) * tl.trans(sc)[:, :, None]
+                    if HAS_MINS:
+                        part += tl.trans(mn)[:, :, None] * tl.sum(x3.to(tl.float32), axis=1)[:, None, :]
+                    acc += tl.sum(part, axis=0)
+                else:
+                    acc = tl.dot(w.to(xt.dtype), xt, acc, input_precision=DOT_PREC)
+            else:
+                xr = tl.load(x_ptr + xrow[:, None] + kk[None, :]).to(tl.float32)  # [BM, BK]
+                if GROUP_SCALE:
+                    x4 = tl.reshape(xr, (BLOCK_M, 1, GPI, GROUP))
+                    dots = tl.sum(tl.reshape(q, (1, BLOCK_N, GPI, GROUP)) * x4, axis=3)  # [BM, BN, GPI]
+                    part = dots * sc[None, :, :]
+                    if HAS_MINS:
+                        part += mn[None, :, :] * tl.sum(x4, axis=3)
+                    acc += tl.sum(part, axis=2)
+                else:
+                    acc += tl.sum(w[None, :, :] * xr[:, None, :], axis=2)
+        if not USE_DOT:
+            acc = tl.trans(acc)  # -> [BN, BM]
+        mask = (n < N)[:, None] & (m < M)[None, :]
+        if PARTIAL:
+            tl.store(p_ptr + (pid_k * M + m[None, :]).to(tl.int64) * N + n[:, None], acc, mask=mask)
+        else:
+            _epilogue(acc, n[:, None], m[None, :], mask, b_ptr, r_ptr, y_ptr, N, stride_rm, HAS_BIAS, HAS_RES)
+
+    @triton.jit(do_not_specialize=["M", "splits"])
+    def _reduce_kernel(p_ptr, b_ptr, r_ptr, y_ptr, M, N, splits, stride_rm, HAS_BIAS: tl.constexpr,
+                       HAS_RES: tl.constexpr, BLOCK: tl.constexpr):
+        """Program (m, n block): y[m, n] = epilogue(sum over splits s in order of partial[s, m, n])."""
+        m = tl.program_id(0)
+        n = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        mask = n < N
+        acc = tl.zeros([BLOCK], tl.float32)
+        for s in range(0, splits):
+            acc += tl.load(p_ptr + (s * M + m).to(tl.int64) * N + n, mask=mask, other=0.0)
+        _epilogue(acc, n, m, mask, b_ptr, r_ptr, y_ptr, N, stride_rm, HAS_BIAS, HAS_RES)
+
+    @triton.jit(do_not_specialize=["M"])
+    def _gemm_kernel(x_ptr, q_ptr, s_ptr, mn_ptr, b_ptr, r_ptr, y_ptr, M, N, K, stride_xm, stride_rm,
+                     BITS: tl.constexpr, GROUP: tl.constexpr, HAS_MINS: tl.constexpr, HAS_BIAS: tl.constexpr,
+                     HAS_RES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                     BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, WORDS: tl.constexpr,
+                     FAST_CVT: tl.constexpr, DOT_PREC: tl.constexpr):
+        """Program (M tile, N tile), GROUP_M M tiles walked per N tile: y tile = x tile @ dequant(W tile)^T."""
+        pid = tl.program_id(0)
+        tiles_m = tl.cdiv(M, BLOCK_M)
+        tiles_n = tl.cdiv(N, BLOCK_N)
+        per_group = GROUP_M * tiles_n
+        first_m = (pid // per_group) * GROUP_M
+        size_m = tl.minimum(tiles_m - first_m, GROUP_M)
+        pid_m = first_m + (pid % per_group) % size_m
+        pid_n = (pid % per_group) // size_m
+        m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        rows = tl.minimum(n, N - 1).to(tl.int64)
+        xrow = tl.minimum(m, M - 1).to(tl.int64) * stride_xm
+        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            x = tl.load(x_ptr + xrow[:, None] + (k0 + tl.arange(0, BLOCK_K))[None, :])  # [BM, BK]
+            w = _dequant(q_ptr, s_ptr, mn_ptr, rows, k0, K, BITS, GROUP, HAS_MINS, BLOCK_N, BLOCK_K, WORDS,
+                         FAST_CVT)  # [BN, BK]
+            acc = tl.dot(x, tl.trans(w.to(x.dtype)), acc, input_precision=DOT_PREC)
+        mask = (m < M)[:, None] & (n < N)[None, :]
+        _epilogue(acc, n[None, :], m[:, None], mask, b_ptr, r_ptr, y_ptr, N, stride_rm, HAS_BIAS, HAS_RES)
+
+    @triton.jit
+    def _dequant_kernel(q_ptr, s_ptr, mn_ptr, out_ptr, row0, rows_out, N, K, BITS: tl.constexpr,
+                        GROUP: tl.constexpr, HAS_MINS: tl.constexpr, BLOCK_N: tl.constexpr,
+                        BLOCK_K: tl.constexpr, FAST_CVT: tl.constexpr):
+        """Program (n block, k block): out[r, k] = W[row0 + r, k] for r < rows_out, in out's dtype."""
+        r = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        k0 = tl.program_id(1) * BLOCK_K
+        rows = tl.minimum(row0 + r, N - 1).to(tl.int64)
+        w = _dequant(q_ptr, s_ptr, mn_ptr, rows, k0, K, BITS, GROUP, HAS_MINS, BLOCK_N, BLOCK_K, False,
+                     FAST_CVT)
+        dst = out_ptr + r[:, None].to(tl.int64) * K + k0 + tl.arange(0, BLOCK_K)[None, :]
+        tl.store(dst, w.to(out_ptr.dtype.element_ty), mask=(r < rows_out)[:, None])
+
+
+# ---------------------------------------------------------------- launchers
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return INTERPRETER_SMS
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def fit_block_k(want: int, k: int, group: int) -> int:
+    """The largest block_k <= want (at least one group) made of whole groups that divides K."""
+    bk = max(group, _pow2(want))
+    while bk > group and k % bk:
+        bk //= 2
+    return bk
+
+
+def choose_split_k(m: int, n: int, k: int, bits: int, block_n: int, block_m: int, block_k: int,
+                   sms: int) -> int:
+    """Splits of K for the skinny kernel: a power of two that brings the programs up to
+    SPLIT_PROGRAMS_PER_SM per SM, each split whole block_k iterations and >= MIN_SPLIT_K columns,
+    and the fp32 partials (8 bytes per output and split: written, read) within PARTIAL_BUDGET of
+    the weight bytes. Shapes only: the same answer eagerly and under a CUDA graph."""
+    programs = -(-n // block_n) * -(-m // block_m)
+    weight_bytes = n * k * bits / 8
+    split = 1
+    while (programs * split * 2 <= sms * SPLIT_PROGRAMS_PER_SM and k % (split * 2 * block_k) == 0
+           and k // (split * 2) >= MIN_SPLIT_K and 8 * split * 2 * m * n <= PARTIAL_BUDGET * weight_bytes):
+        split *= 2
+    return split
+
+
+def _codes_arg(w: QuantWeight, words: bool) -> tuple[torch.Tensor, bool]:
+    """The codes as the kernel reads them: int32 words where the rows allow it, else bytes."""
+    q = w.qweight
+    if words and q.is_contiguous() and q.shape[1] % 4 == 0 and q.storage_offset() % 4 == 0:
+        return q.view(torch.int32), True
+    return q, False
+
+
+def _common(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None,
+            residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, dict[str, object]]:
+    """Checks; y [M, N] (empty); the constexprs every kernel shares."""
+    _check(x, w, bias, residual)
+    if not kernel_supports(w):
+        raise ValueError(f"wq kernels: group {w.group} is not a power of two >= {MIN_DOT}")
+    y = torch.empty((x.shape[0], w.shape[0]), dtype=x.dtype, device=x.device)
+    return y, dict(BITS=w.bits, GROUP=w.group, HAS_MINS=w.mins is not None, HAS_BIAS=bias is not None,
+                   HAS_RES=residual is not None, DOT_PREC="ieee")
+
+
+def _operands(x: torch.Tensor, w: QuantWeight, y: torch.Tensor, bias: torch.Tensor | None,
+              residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """x, mins, bias, residual as the kernels take them (last dims contiguous; y stands in for
+    absent ones, never read) and residual's row stride."""
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    res = residual if residual is None or residual.stride(-1) == 1 else residual.contiguous()
+    return (x, w.mins if w.mins is not None else w.scales, bias if bias is not None else y,
+            res if res is not None else y, res.stride(0) if res is not None else 0)
+
+
+def skinny_block_m(m: int, use_dot: bool) -> int:
+    """Rows of x per skinny program: the dot pads to >= 16; the CUDA-core path keeps <= 4."""
+    if use_dot:
+        return min(max(MIN_DOT, _pow2(m)), SKINNY_MAX_M)
+    return min(_pow2(m), MAX_FMA_BLOCK_M)
+
+
+def wq_skinny(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None = None,
+              residual: torch.Tensor | None = None, cfg: SkinnyConfig = FMA_CONFIG) -> torch.Tensor:
+    """The decode kernel (any M works; built for M <= SKINNY_MAX_M). x [M, K] -> [M, N] in x.dtype."""
+    y, const = _common(x, w, bias, residual)
+    (mrows, n), k = y.shape, w.shape[1]
+    if mrows == 0:
+        return y
+    block_k = fit_block_k(cfg.block_k, k, w.group)
+    block_m = skinny_block_m(mrows, cfg.use_dot)
+    split = cfg.split_k or choose_split_k(mrows, n, k, w.bits, cfg.block_n, block_m, block_k, _sm_count(x.device))
+    if k % (split * block_k):
+        raise ValueError(f"wq_skinny: split_k {split} x block_k {block_k} does not divide K = {k}")
+    codes, words = _codes_arg(w, cfg.words)
+    x, mins, b, r, stride_rm = _operands(x, w, y, bias, residual)
+    part = torch.empty((split, mrows, n), dtype=torch.float32, device=x.device) if split > 1 else y
+    grid = (triton.cdiv(n, cfg.block_n), split, triton.cdiv(mrows, block_m))
+    _skinny_kernel[grid](x, codes, w.scales, mins, b, r, y, part, mrows, n, k, k // split, x.stride(0), stride_rm,
+                         BLOCK_N=cfg.block_n, BLOCK_M=block_m, BLOCK_K=block_k, PARTIAL=split > 1,
+                         USE_DOT=cfg.use_dot, GROUP_SCALE=cfg.group_scale, WORDS=words, FAST_CVT=cfg.fast_cvt,
+                         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **const)
+    if split > 1:
+        _reduce_kernel[(mrows, triton.cdiv(n, REDUCE_BLOCK))](
+            part, b, r, y, mrows, n, split, stride_rm, HAS_BIAS=bias is not None, HAS_RES=residual is not None,
+            BLOCK=REDUCE_BLOCK, num_warps=4)
+    return y
+
+
+def wq_gemm(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None = None,
+            residual: torch.Tensor | None = None, cfg: GemmConfig = GEMM_CONFIG) -> torch.Tensor:
+    """The fused prefill GEMM (dequantize in the K loop). x [M, K] -> [M, N] in x.dtype."""
+    y, const = _common(x, w, bias, residual)
+    (mrows, n), k = y.shape, w.shape[1]
+    if mrows == 0:
+        return y
+    codes, words = _codes_arg(w, cfg.words)
+    x, mins, b, r, stride_rm = _operands(x, w, y, bias, residual)
+    grid = (triton.cdiv(mrows, cfg.block_m) * triton.cdiv(n, cfg.block_n),)
+    _gemm_kernel[grid](x, codes, w.scales, mins, b, r, y, mrows, n, k, x.stride(0), stride_rm,
+                       BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=fit_block_k(cfg.block_k, k, w.group),
+                       GROUP_M=cfg.group_m, WORDS=words, FAST_CVT=cfg.fast_cvt, num_warps=cfg.num_warps,
+                       num_stages=cfg.num_stages, **const)
+    return y
+
+
+def wq_dequantize(w: QuantWeight, dtype: torch.dtype, row0: int = 0, rows: int | None = None,
+                  out: torch.Tensor | None = None) -> torch.Tensor:
+    """Dense rows [row0, row0 + rows) of W in `dtype` by the Triton kernel: [rows, K] (into `out` if given)."""
+    if not kernel_supports(w):
+        raise ValueError(f"wq_dequantize: group {w.group} is not a power of two >= {MIN_DOT}")
+    n, k = w.shape
+    rows = n - row0 if rows is None else rows
+    if out is None:
+        out = torch.empty((rows, k), dtype=dtype, device=w.device)
+    bn, bk, warps = DEQUANT_BLOCK
+    bk = fit_block_k(bk, k, w.group)
+    _dequant_kernel[(triton.cdiv(rows, bn), k // bk)](
+        w.qweight, w.scales, w.mins if w.mins is not None else w.scales, out, row0, rows, n, k, BITS=w.bits,
+        GROUP=w.group, HAS_MINS=w.mins is not None, BLOCK_N=bn, BLOCK_K=bk, FAST_CVT=True, num_warps=warps)
+    return out
+
+
+def wq_dequant_matmul(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None = None,
+                      residual: torch.Tensor | None = None, max_elems: int = DEQUANT_MAX_ELEMS) -> torch.Tensor:
+    """Dequantize W in row chunks of <= max_elems into a scratch buffer, then cuBLAS.
+
+    Each chunk's GEMM writes its columns of y in place (cuBLAS takes the row stride), with
+    bias + residual added in its epilogue (addmm): one rounding, as the reference.
+    """
+    y, _ = _common(x, w, bias, residual)
+    n, k = w.shape
+    chunk = max(1, min(n, max_elems // k))
+    scratch = torch.empty((chunk, k), dtype=x.dtype, device=x.device)  # the caching allocator reuses it
+    base = bias if residual is None else (residual if bias is None else residual + bias)
+    for lo in range(0, n, chunk):
+        hi = min(n, lo + chunk)
+        wd = wq_dequantize(w, x.dtype, lo, hi - lo, out=scratch[:hi - lo])  # [hi - lo, K]
+        if base is None:
+            torch.mm(x, wd.t(), out=y[:, lo:hi])
+        else:
+            torch.addmm(base[..., lo:hi], x, wd.t(), out=y[:, lo:hi])
+    return y
