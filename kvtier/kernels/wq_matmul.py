@@ -81,6 +81,9 @@ REDUCE_BLOCK = 1024
 MIN_DOT = 16
 # Largest BLOCK_M of the CUDA-core path ([BLOCK_M, BLOCK_N, BLOCK_K] products in registers).
 MAX_FMA_BLOCK_M = 4
+# fp32 x: three tf32 tensor-core products (about fp32 accuracy; "ieee" FMA dots of 128 x 128 GEMM
+# tiles need far more registers). 16-bit x: ignored by tl.dot.
+FP32_DOT = "tf32x3"
 # Programs per SM assumed off CUDA (the interpreter), so split-K has a capacity to aim at.
 INTERPRETER_SMS = 2
 
@@ -424,7 +427,7 @@ def _common(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None,
         raise ValueError(f"wq kernels: group {w.group} is not a power of two >= {MIN_DOT}")
     y = torch.empty((x.shape[0], w.shape[0]), dtype=x.dtype, device=x.device)
     return y, dict(BITS=w.bits, GROUP=w.group, HAS_MINS=w.mins is not None, HAS_BIAS=bias is not None,
-                   HAS_RES=residual is not None, DOT_PREC="ieee")
+                   HAS_RES=residual is not None, DOT_PREC=FP32_DOT if x.dtype == torch.float32 else "tf32")
 
 
 def _operands(x: torch.Tensor, w: QuantWeight, y: torch.Tensor, bias: torch.Tensor | None,

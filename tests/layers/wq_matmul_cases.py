@@ -86,6 +86,7 @@ def paths(wq: ModuleType, interpreted: bool) -> dict[str, Callable]:
         base, gemm = s(block_n=32, block_k=64), gm(block_m=16, block_n=32, block_k=32, group_m=2)
     else:
         base, gemm = s(), wq.GEMM_CONFIG
+    chunk = 16 if interpreted else 1000  # rows of W per dequantized chunk: several chunks per weight
     dot = s(block_n=base.block_n, block_k=base.block_k, use_dot=True, group_scale=False)
 
     def sk(cfg):  # noqa: ANN001, ANN202
@@ -102,7 +103,7 @@ def paths(wq: ModuleType, interpreted: bool) -> dict[str, Callable]:
                                  words=False, split_k=2)),
         "gemm": lambda x, w, b, r: wq.wq_gemm(x, w, b, r, gemm),
         "gemm_words": lambda x, w, b, r: wq.wq_gemm(x, w, b, r, gm(**{**gemm.__dict__, "words": True})),
-        "dequant_chunked": lambda x, w, b, r: wq.wq_dequant_matmul(x, w, b, r, max_elems=16 * w.shape[1]),
+        "dequant_chunked": lambda x, w, b, r: wq.wq_dequant_matmul(x, w, b, r, max_elems=chunk * w.shape[1]),
     }
 
 
