@@ -142,45 +142,69 @@ if HAVE_TRITON:
     MODE_INT4 = tl.constexpr(3)
 
     @triton.jit
-    def _transform(x, ph, shift_ptr, cs_ptr, rot_ptr, D: tl.constexpr, SMOOTH: tl.constexpr,
-                   ROTATE: tl.constexpr):
-        """Rows x [BLOCK_T, D] fp32 of one head -> smoothed (param row ph) and rotated rows, fp32.
+    def _transformed(x_ptr, t, tm, stride_xt, x_off, ph, shift_ptr, cs_ptr, D: tl.constexpr,
+                     BLOCK_T: tl.constexpr, BK: tl.constexpr, SMOOTH: tl.constexpr, ROTATE: tl.constexpr,
+                     INV_SQRT_D: tl.constexpr):
+        """Rows t [BLOCK_T] of one head (x_ptr + t * stride_xt + x_off + d) -> smoothed (param row
+        ph) and rotated rows [BLOCK_T, D] fp32.
 
-        The math of PagePool.write / native_q (fp32, IEEE division) and KVFormat.rotate (x @ R;
-        tf32x3 tensor-core products, about fp32 accuracy).
+        The math of PagePool.write / native_q (fp32, IEEE division) and KVFormat.rotate: x @ R
+        with R the Sylvester Hadamard matrix / sqrt(D) (kv/formats.py hadamard, one block for a
+        power-of-two D). R is never loaded: its sign at (i, j) is the parity of popcount(i & j),
+        built in registers BK rows at a time, and the exact +-1 products run on tensor cores
+        (tf32x3: about fp32 accuracy); 1 / sqrt(D) scales the sums.
         """
+        if ROTATE:
+            acc = tl.zeros([BLOCK_T, D], tl.float32)
+            j = tl.arange(0, D)
+            for k0 in tl.static_range(0, D, BK):
+                kk = k0 + tl.arange(0, BK)
+                x = tl.load(x_ptr + t[:, None] * stride_xt + x_off + kk[None, :], mask=tm,
+                            other=0.0).to(tl.float32)
+                x = _smooth(x, kk, ph, shift_ptr, cs_ptr, D, SMOOTH)
+                v = kk[:, None] & j[None, :]
+                v = v ^ (v >> 8)
+                v = v ^ (v >> 4)
+                v = v ^ (v >> 2)
+                v = v ^ (v >> 1)
+                sign = 1.0 - 2.0 * (v & 1).to(tl.float32)  # [BK, D]
+                acc += tl.dot(x, sign, input_precision="tf32x3")
+            return acc * INV_SQRT_D
         d = tl.arange(0, D)
+        x = tl.load(x_ptr + t[:, None] * stride_xt + x_off + d[None, :], mask=tm, other=0.0).to(tl.float32)
+        return _smooth(x, d, ph, shift_ptr, cs_ptr, D, SMOOTH)
+
+    @triton.jit
+    def _smooth(x, kk, ph, shift_ptr, cs_ptr, D: tl.constexpr, SMOOTH: tl.constexpr):
+        """Columns kk of rows x: (x - shift) / channel_scale (K) or x * channel_scale (q)."""
         if SMOOTH == SMOOTH_K:
-            sh = tl.load(shift_ptr + ph * D + d).to(tl.float32)
-            cs = tl.load(cs_ptr + ph * D + d).to(tl.float32)
+            sh = tl.load(shift_ptr + ph * D + kk).to(tl.float32)
+            cs = tl.load(cs_ptr + ph * D + kk).to(tl.float32)
             x = tl.math.div_rn(x - sh[None, :], cs[None, :])
         elif SMOOTH == SMOOTH_Q:
-            cs = tl.load(cs_ptr + ph * D + d).to(tl.float32)
+            cs = tl.load(cs_ptr + ph * D + kk).to(tl.float32)
             x = x * cs[None, :]
-        if ROTATE:
-            r = tl.load(rot_ptr + d[:, None] * D + d[None, :])  # [D, D] fp32
-            x = tl.dot(x, r, input_precision="tf32x3")
         return x
 
     @triton.jit(do_not_specialize=["T", "H", "G"])
-    def _transform_rows_kernel(x_ptr, out_ptr, cs_ptr, rot_ptr, stride_xt, stride_xh, stride_ot,
-                               stride_oh, T, H, G, D: tl.constexpr, BLOCK_T: tl.constexpr,
-                               SMOOTH: tl.constexpr, ROTATE: tl.constexpr):
+    def _transform_rows_kernel(x_ptr, out_ptr, cs_ptr, stride_xt, stride_xh, stride_ot, stride_oh, T, H, G,
+                               D: tl.constexpr, BLOCK_T: tl.constexpr, BK: tl.constexpr, SMOOTH: tl.constexpr,
+                               ROTATE: tl.constexpr, INV_SQRT_D: tl.constexpr):
         """BLOCK_T rows of head h: out = R (x * channel_scale[h // G]) (or R x), in out's dtype."""
         h = tl.program_id(1)
         t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
         tm = (t < T)[:, None]
+        y = _transformed(x_ptr, t, tm, stride_xt, h * stride_xh, h // G, cs_ptr, cs_ptr, D, BLOCK_T, BK,
+                         SMOOTH, ROTATE, INV_SQRT_D)
         d = tl.arange(0, D)[None, :]
-        x = tl.load(x_ptr + t[:, None] * stride_xt + h * stride_xh + d, mask=tm, other=0.0).to(tl.float32)
-        y = _transform(x, h // G, cs_ptr, cs_ptr, rot_ptr, D, SMOOTH, ROTATE)
         tl.store(out_ptr + t[:, None] * stride_ot + h * stride_oh + d, y.to(out_ptr.dtype.element_ty), mask=tm)
 
     @triton.jit(do_not_specialize=["T", "H"])
-    def _transform_store_kernel(x_ptr, slot_ptr, data_ptr, scale_ptr, shift_ptr, cs_ptr, rot_ptr,
+    def _transform_store_kernel(x_ptr, slot_ptr, data_ptr, scale_ptr, shift_ptr, cs_ptr,
                                 stride_xt, stride_xh, T, H, S, D: tl.constexpr, BLOCK_T: tl.constexpr,
-                                MODE: tl.constexpr, GROUP: tl.constexpr, SMOOTH: tl.constexpr,
-                                ROTATE: tl.constexpr, QMAX: tl.constexpr, BIAS: tl.constexpr,
-                                MIN_S: tl.constexpr):
+                                BK: tl.constexpr, MODE: tl.constexpr, GROUP: tl.constexpr, SMOOTH: tl.constexpr,
+                                ROTATE: tl.constexpr, INV_SQRT_D: tl.constexpr, QMAX: tl.constexpr,
+                                BIAS: tl.constexpr, MIN_S: tl.constexpr):
         """BLOCK_T new rows of head h: smooth + rotate + quantize + scatter into their page slots,
         one launch for what PagePool.write did in ~7 (same codes as the codecs, up to the
         rotation's last-bit rounding)."""
@@ -189,9 +213,8 @@ if HAVE_TRITON:
         tmask = t < T
         tm = tmask[:, None]
         d = tl.arange(0, D)
-        x = tl.load(x_ptr + t[:, None] * stride_xt + h * stride_xh + d[None, :], mask=tm,
-                    other=0.0).to(tl.float32)
-        x = _transform(x, h, shift_ptr, cs_ptr, rot_ptr, D, SMOOTH, ROTATE)
+        x = _transformed(x_ptr, t, tm, stride_xt, h * stride_xh, h, shift_ptr, cs_ptr, D, BLOCK_T, BK, SMOOTH,
+                         ROTATE, INV_SQRT_D)
         slot = tl.load(slot_ptr + t, mask=tmask, other=0).to(tl.int64)
         row = ((slot // S) * H + h) * S + slot % S  # [BLOCK_T]
         if MODE == MODE_INT4:
@@ -309,18 +332,26 @@ def load_pages(fmt: KVFormat, st: dict[str, torch.Tensor], page_ids: torch.Tenso
 
 # Rows per program of the transform kernels: tl.dot needs >= 16; decode steps bring 1-32.
 TRANSFORM_BLOCK_T = 16
+# Columns of x (rows of the Hadamard signs) per tl.dot of the rotation: bounds registers at any D.
+TRANSFORM_BK = 32
 
 
 def transform_supported(x: torch.Tensor) -> bool:
-    """Whether the fused transform kernels take rows x [T, H, D]: Triton, a power-of-two D >= 16."""
+    """Whether the fused transform kernels take rows x [T, H, D]: Triton, a power-of-two D >= 16
+    (where formats.hadamard is one Sylvester block, which the kernels build in registers)."""
     d = x.shape[-1]
     return HAVE_TRITON and d >= 16 and d & (d - 1) == 0
 
 
-def transform_rows(x: torch.Tensor, rot: torch.Tensor | None, channel_scale: torch.Tensor | None = None,
+def _rotation_args(d: int, rotate: bool) -> dict[str, object]:
+    return dict(D=d, BLOCK_T=TRANSFORM_BLOCK_T, BK=min(TRANSFORM_BK, d), ROTATE=rotate,
+                INV_SQRT_D=float(torch.tensor(d ** -0.5, dtype=torch.float32)))
+
+
+def transform_rows(x: torch.Tensor, rotate: bool, channel_scale: torch.Tensor | None = None,
                    out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """x [T, H, D] -> R (x * channel_scale[h // G]) (PagePool.native_q) or R x (native_out) in
-    one launch. channel_scale: [Hkv, D] with H = G * Hkv, or None; rot: [D, D] fp32 or None."""
+    one launch. channel_scale: [Hkv, D] with H = G * Hkv, or None; R: formats.hadamard(D)."""
     t, h, d = x.shape
     out = torch.empty((t, h, d), dtype=out_dtype or x.dtype, device=x.device)
     if t == 0:
@@ -328,47 +359,42 @@ def transform_rows(x: torch.Tensor, rot: torch.Tensor | None, channel_scale: tor
     if x.stride(-1) != 1:
         x = x.contiguous()
     g = h // channel_scale.shape[0] if channel_scale is not None else 1
-    dummy = rot if rot is not None else x
     grid = (triton.cdiv(t, TRANSFORM_BLOCK_T), h)
-    _transform_rows_kernel[grid](x, out, channel_scale if channel_scale is not None else dummy,
-                                 dummy, x.stride(0), x.stride(1), out.stride(0), out.stride(1), t, h, g,
-                                 D=d, BLOCK_T=TRANSFORM_BLOCK_T,
+    _transform_rows_kernel[grid](x, out, channel_scale if channel_scale is not None else x,
+                                 x.stride(0), x.stride(1), out.stride(0), out.stride(1), t, h, g,
                                  SMOOTH=SMOOTH_Q if channel_scale is not None else SMOOTH_NONE,
-                                 ROTATE=rot is not None)
+                                 **_rotation_args(d, rotate))
     return out
 
 
-def _codec_mode(codec: Codec) -> tuple[int, float, int]:
-    """(MODE, QMAX, GROUP) of a codec for _transform_store_kernel."""
+def _codec_mode(codec: Codec) -> tuple[int, float]:
+    """(MODE, QMAX) of a codec for _transform_store_kernel."""
     if isinstance(codec, PlainCodec):
-        return 0, 1.0, 1
+        return 0, 1.0
     if isinstance(codec, Int8Codec):
-        return 1, float(INT8_MAX), 1
+        return 1, float(INT8_MAX)
     if isinstance(codec, Fp8Codec):
-        return 2, FP8_E4M3_MAX, 1
+        return 2, FP8_E4M3_MAX
     if isinstance(codec, Int4Codec):
-        return 3, float(INT4_MAX), 0
+        return 3, float(INT4_MAX)
     raise ValueError(f"no fused store for codec {type(codec).__name__}")
 
 
 def transform_store(codec: Codec, x: torch.Tensor, slots: torch.Tensor, data: torch.Tensor,
-                    scale: torch.Tensor | None, rot: torch.Tensor | None,
+                    scale: torch.Tensor | None, rotate: bool,
                     smooth: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
     """Rows x [T, H, D] -> (x - shift) / channel_scale (smooth = (shift, scale), each [H, D]),
-    rotated by rot [D, D] (or not), encoded by `codec` into data/scale pages at slots [T]."""
+    rotated by formats.hadamard(D) (or not), encoded by `codec` into data/scale pages at slots [T]."""
     t, h, d = x.shape
     if t == 0:
         return
     if x.stride(-1) != 1:
         x = x.contiguous()
-    mode, qmax, group = _codec_mode(codec)
-    if isinstance(codec, Int4Codec):
-        group = codec.group_for(d)
-    dummy = rot if rot is not None else x
-    shift, cs = smooth if smooth is not None else (dummy, dummy)
+    mode, qmax = _codec_mode(codec)
+    group = codec.group_for(d) if isinstance(codec, Int4Codec) else 1
+    shift, cs = smooth if smooth is not None else (x, x)
     grid = (triton.cdiv(t, TRANSFORM_BLOCK_T), h)
-    _transform_store_kernel[grid](x, slots, data, scale if scale is not None else data, shift, cs, dummy,
-                                  x.stride(0), x.stride(1), t, h, data.shape[2], D=d,
-                                  BLOCK_T=TRANSFORM_BLOCK_T, MODE=mode, GROUP=max(group, 1),
-                                  SMOOTH=SMOOTH_K if smooth is not None else SMOOTH_NONE,
-                                  ROTATE=rot is not None, QMAX=qmax, BIAS=float(INT4_BIAS), MIN_S=MIN_SCALE)
+    _transform_store_kernel[grid](x, slots, data, scale if scale is not None else data, shift, cs,
+                                  x.stride(0), x.stride(1), t, h, data.shape[2], MODE=mode, GROUP=group,
+                                  SMOOTH=SMOOTH_K if smooth is not None else SMOOTH_NONE, QMAX=qmax,
+                                  BIAS=float(INT4_BIAS), MIN_S=MIN_SCALE, **_rotation_args(d, rotate))

@@ -137,7 +137,7 @@ class PagePool:
         fmt = self.fmt
         if not fmt.quantized or not kv_quant.transform_supported(k):
             return False
-        st, d = self.layers[layer], k.shape[-1]
+        st = self.layers[layer]
         smooth = None
         if fmt.smooth_k or self.k_channel_scale[layer] is not None:
             shift, scale = self.k_shift[layer], self.k_channel_scale[layer]
@@ -146,8 +146,7 @@ class PagePool:
             smooth = (shift, scale)
         for kv, codec, x, rotated, sm in (("k", fmt.k_codec, k, fmt.rotate_k, smooth),
                                           ("v", fmt.v_codec, v, fmt.rotate_v, None)):
-            rot = fmt.rotation(d, x.device) if rotated else None
-            kv_quant.transform_store(codec, x, slots, st[kv], st.get(kv + "_scale"), rot, sm)
+            kv_quant.transform_store(codec, x, slots, st[kv], st.get(kv + "_scale"), rotated, sm)
         return True
 
     def _store(self, st: dict[str, torch.Tensor], slots: torch.Tensor, k: torch.Tensor,
@@ -322,8 +321,7 @@ class PagePool:
         if scale is None and not self.fmt.rotate_k:
             return q
         if q.is_cuda and kv_quant.transform_supported(q):  # one kernel
-            rot = self.fmt.rotation(q.shape[-1], q.device) if self.fmt.rotate_k else None
-            return kv_quant.transform_rows(q, rot, scale)
+            return kv_quant.transform_rows(q, self.fmt.rotate_k, scale)
         qf = q.float()
         if scale is not None:  # [Hkv, D]: query head h reads kv head h // (Hq / Hkv)
             qf = (qf.unflatten(1, (self.kv_heads, -1)) * scale.float()[:, None, :]).flatten(1, 2)
@@ -334,7 +332,7 @@ class PagePool:
         if not self.fmt.rotate_v:
             return o
         if o.is_cuda and o.dim() == 3 and kv_quant.transform_supported(o):
-            return kv_quant.transform_rows(o, self.fmt.rotation(o.shape[-1], o.device))
+            return kv_quant.transform_rows(o, True)
         return self.fmt.rotate(o).to(o.dtype)
 
     def bytes_per_page(self) -> int:

@@ -116,9 +116,8 @@ def check_fused_store(kq: ModuleType, name: str, heads: int, page_size: int, hea
             ref[kv + suffix][slots // page_size, :, slots % page_size] = part
     got = fmt.allocate(num_pages, heads, page_size, head_dim, dev)
     smooth = (pool.k_shift[0].to(dev), pool.k_channel_scale[0].to(dev))
-    rot = fmt.rotation(head_dim, dev)
     for kv, codec, x, sm in (("k", fmt.k_codec, k, smooth), ("v", fmt.v_codec, v, None)):
-        kq.transform_store(codec, x.to(dev), slots.to(dev), got[kv], got.get(kv + "_scale"), rot, sm)
+        kq.transform_store(codec, x.to(dev), slots.to(dev), got[kv], got.get(kv + "_scale"), True, sm)
     for kv, codec in (("k", fmt.k_codec), ("v", fmt.v_codec)):
         part = {sfx: ref[kv + sfx] for sfx in codec.parts(head_dim)}
         want = codec.decode(part, torch.float32)
@@ -137,12 +136,12 @@ def check_fused_store(kq: ModuleType, name: str, heads: int, page_size: int, hea
         assert same >= 0.97, f"{name} {kv}: only {float(same):.3f} of the codes equal the reference"
     q = torch.randn(n_rows, heads * gqa, head_dim, generator=g).to(dtype)
     want_q = pool.native_q(0, q)
-    have_q = kq.transform_rows(q.to(dev), rot, pool.k_channel_scale[0].to(dev)).cpu()
+    have_q = kq.transform_rows(q.to(dev), True, pool.k_channel_scale[0].to(dev)).cpu()
     assert have_q.dtype == q.dtype
     assert torch.allclose(want_q.float(), have_q.float(), rtol=2e-2 if dtype != torch.float32 else 1e-4,
                           atol=1e-3), f"{name}: native_q kernel differs"
     want_o = pool.native_out(q)
-    have_o = kq.transform_rows(q.to(dev), rot).cpu()
+    have_o = kq.transform_rows(q.to(dev), True).cpu()
     assert torch.allclose(want_o.float(), have_o.float(), rtol=2e-2 if dtype != torch.float32 else 1e-4,
                           atol=1e-3), f"{name}: native_out kernel differs"
 
@@ -166,12 +165,12 @@ def main() -> None:
                               cast=False)
         except AssertionError as e:
             failures.append(f"plain {name}: {e}")
-    for name in QUANT_FORMATS:
+    for name, hd in [(n, 16) for n in QUANT_FORMATS] + [("k8v4", 64)]:  # 64: several rotation chunks
         try:
-            check_fused_store(kq, name, heads=2, page_size=4, head_dim=16, num_pages=5, n_rows=19, device="cpu",
+            check_fused_store(kq, name, heads=2, page_size=4, head_dim=hd, num_pages=5, n_rows=19, device="cpu",
                               dtype=torch.float32, gqa=2)
         except AssertionError as e:
-            failures.append(f"fused {name}: {e}")
+            failures.append(f"fused {name} head_dim={hd}: {e}")
     print("\n".join(failures) if failures else "ALL OK")
 
 
