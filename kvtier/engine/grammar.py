@@ -1,8 +1,7 @@
 """Structured output through xgrammar: compiled grammars and per-request token masks.
 
     GrammarCompilerCache (one per model: tokenizer + logits vocab size)
-        .json_object() / .json_schema(s) / .ebnf(text) / .regex(p)
-        .structural_tag(spec) / .tool_call_grammar(tools, mode, name)
+        .json_object() / .json_schema(s) / .structural_tag(spec)
             -> xgrammar.CompiledGrammar   (compiled once, cached by xgrammar)
     GrammarState(compiled)  (one per request; implements sampler.Grammar)
         allowed_mask() -> bool [V]  ->  sampler  ->  accept(token) ...
@@ -16,23 +15,16 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from typing import Any, Literal
+from typing import Any
 
 import torch
 import xgrammar as xgr
 
 # Bits per word of xgrammar's packed int32 token bitmask.
 BITMASK_WORD_BITS = 32
-# Hermes tool-call framing (Qwen2.5 / Qwen3 chat templates).
-TOOL_CALL_BEGIN = "<tool_call>\n"
-TOOL_CALL_END = "\n</tool_call>"
-TOOL_CALL_SEPARATOR = "\n"
-TOOL_CALL_TRIGGER = "<tool_call>"
 # Longest whitespace run allowed between JSON tokens: room for pretty-printed
 # nesting, but no runaway whitespace loop (and far cheaper masks).
 MAX_JSON_WHITESPACE = 16
-
-ToolChoiceMode = Literal["required", "named", "auto"]
 
 
 class GrammarCompilerCache:
@@ -68,87 +60,27 @@ class GrammarCompilerCache:
         except (RuntimeError, ValueError) as e:  # xgrammar raises these for bad schemas
             raise ValueError(f"invalid or unsupported JSON schema: {e}") from e
 
-    def ebnf(self, text: str, root: str = "root") -> xgr.CompiledGrammar:
-        """A grammar in xgrammar's EBNF (GBNF-like) syntax, starting at rule `root`."""
-        try:
-            return self._compiler.compile_grammar(text, root_rule_name=root)
-        except (RuntimeError, ValueError) as e:
-            raise ValueError(f"invalid EBNF grammar: {e}") from e
-
-    def regex(self, pattern: str) -> xgr.CompiledGrammar:
-        try:
-            return self._compiler.compile_regex(pattern)
-        except (RuntimeError, ValueError) as e:
-            raise ValueError(f"invalid regex: {e}") from e
-
-    def structural_tag(self, spec: dict[str, Any] | str) -> xgr.CompiledGrammar:
-        """xgrammar structural tag: `{"type": "structural_tag", "format": {...}}`."""
-        text = spec if isinstance(spec, str) else json.dumps(spec)
+    def structural_tag(self, spec: dict[str, Any]) -> xgr.CompiledGrammar:
+        """xgrammar structural tag: `{"type": "structural_tag", "format": {...}}` (the server's
+        tool calls: server/convert.py `tool_call_tag`). JSON content without its own
+        `max_whitespace_cnt` gets MAX_JSON_WHITESPACE, as json_schema() does."""
+        text = json.dumps(_bounded_whitespace(spec))
         try:
             return self._compiler.compile_structural_tag(text)
         except (RuntimeError, ValueError, xgr.InvalidStructuralTagError, xgr.InvalidJSONError) as e:
             raise ValueError(f"invalid structural tag: {e}") from e
 
-    def tool_call_grammar(self, tools: Sequence[dict[str, Any]], mode: ToolChoiceMode = "required",
-                          name: str | None = None, parallel: bool = True) -> xgr.CompiledGrammar:
-        """Output constrained to Hermes tool calls; see `tool_call_structural_tag`."""
-        return self.structural_tag(tool_call_structural_tag(tools, mode, name, parallel))
 
-
-def tool_spec(tool: dict[str, Any]) -> tuple[str, dict[str, Any]]:
-    """(name, parameters JSON schema) of an OpenAI tool (`{"type": "function",
-    "function": {...}}`), a bare function (`{"name", "parameters"}`) or an
-    Anthropic tool (`{"name", "input_schema"}`)."""
-    fn = tool.get("function", tool)
-    if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
-        raise ValueError(f"tool without a function name: {tool!r}")
-    params = fn.get("parameters", fn.get("input_schema"))
-    if params is None:
-        params = {"type": "object"}
-    if not isinstance(params, dict):
-        raise ValueError(f"tool {fn['name']!r}: parameters must be a JSON schema object")
-    return fn["name"], params
-
-
-def _call_tag(name: str, params: dict[str, Any]) -> dict[str, Any]:
-    call_schema = {
-        "type": "object",
-        "properties": {"name": {"const": name}, "arguments": params},
-        "required": ["name", "arguments"],
-        "additionalProperties": False,
-    }
-    return {"type": "tag", "begin": TOOL_CALL_BEGIN, "end": TOOL_CALL_END,
-            "content": {"type": "json_schema", "json_schema": call_schema,
-                        "max_whitespace_cnt": MAX_JSON_WHITESPACE}}
-
-
-def tool_call_structural_tag(tools: Sequence[dict[str, Any]], mode: ToolChoiceMode = "required",
-                             name: str | None = None, parallel: bool = True) -> dict[str, Any]:
-    """Structural tag for Hermes tool calls:
-
-        <tool_call>\\n{"name": "<tool>", "arguments": <args per tool schema>}\\n</tool_call>
-
-    mode "required": one or more calls (one if not `parallel`) and nothing else;
-    "named": the same, of tool `name` only; "auto": free text, and any call
-    the model starts with `<tool_call>` must be well-formed.
-    """
-    specs = [tool_spec(t) for t in tools]
-    if not specs:
-        raise ValueError("tool_call_grammar needs at least one tool")
-    if mode == "named":
-        specs = [s for s in specs if s[0] == name]
-        if not specs:
-            raise ValueError(f"tool_choice names {name!r}, which is not among the tools")
-    elif mode not in ("required", "auto"):
-        raise ValueError(f"tool call mode must be 'required', 'named' or 'auto', not {mode!r}")
-    tags = [_call_tag(n, p) for n, p in specs]
-    if mode == "auto":
-        fmt = {"type": "triggered_tags", "triggers": [TOOL_CALL_TRIGGER], "tags": tags,
-               "at_least_one": False, "stop_after_first": not parallel}
-    else:
-        fmt = {"type": "tags_with_separator", "tags": tags, "separator": TOOL_CALL_SEPARATOR,
-               "at_least_one": True, "stop_after_first": not parallel}
-    return {"type": "structural_tag", "format": fmt}
+def _bounded_whitespace(node: Any) -> Any:
+    """A copy of a structural-tag spec with every json_schema content's whitespace bounded."""
+    if isinstance(node, list):
+        return [_bounded_whitespace(n) for n in node]
+    if not isinstance(node, dict):
+        return node
+    out = {k: (v if k == "json_schema" else _bounded_whitespace(v)) for k, v in node.items()}
+    if out.get("type") == "json_schema":
+        out.setdefault("max_whitespace_cnt", MAX_JSON_WHITESPACE)
+    return out
 
 
 def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:

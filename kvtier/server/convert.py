@@ -62,14 +62,16 @@ def tool_def(name: str, description: str | None, parameters: dict | None) -> dic
         "parameters": parameters if parameters is not None else {"type": "object", "properties": {}}}}
 
 
-def call_prefix(name: str) -> str:
-    """What a Hermes call is written as up to its arguments; the grammar forces exactly this."""
-    return f'<tool_call>\n{{"name": {json.dumps(name, ensure_ascii=False)}, "arguments": '
-
-
+# Hermes call framing (Qwen2.5 / Qwen3 chat templates): call_prefix(name), arguments, CALL_SUFFIX.
+CALL_TRIGGER = "<tool_call>"
 CALL_SUFFIX = "}\n</tool_call>"
 # How a bare JSON call begins (tool_call_tag constrains what follows to a call of an offered tool).
 BARE_CALL_TRIGGER = '{"name": "'
+
+
+def call_prefix(name: str) -> str:
+    """What a Hermes call is written as up to its arguments; the grammar forces exactly this."""
+    return f'{CALL_TRIGGER}\n{{"name": {json.dumps(name, ensure_ascii=False)}, "arguments": '
 
 
 def format_tool_call(name: str, arguments: str) -> str:
@@ -79,31 +81,39 @@ def format_tool_call(name: str, arguments: str) -> str:
 
 
 def tool_call_tag(tools: list[dict], choice: ToolChoice) -> dict:
-    """xgrammar structural tag for Hermes calls with the framing of `format_tool_call`.
+    """xgrammar structural tag for Hermes calls of the offered `tools` (the `tool_def` shape),
+    compiled by engine/grammar.py `GrammarCompilerCache.structural_tag`. The name and framing
+    are forced literally, as `format_tool_call` writes them back, so a call re-renders byte for
+    byte; the arguments follow the tool's JSON schema:
 
-    required / named: one or more calls (one unless parallel) and no other text;
-    auto: free text, and whatever follows `<tool_call>` must be a well-formed call.
+        <tool_call>\n{"name": NAME, "arguments": ARGS}\n</tool_call>
+
+    required / named: one or more calls (one unless parallel), newline-separated, no other text;
+    auto: free text, and whatever follows `<tool_call>` must be a well-formed call; so must a bare
+    JSON call (`{"name": NAME, "arguments": ARGS}`, what Qwen2.5-Coder 0.5B/1.5B write), which
+    bare_calls.py takes as a call when it is the whole reply.
     """
-    from kvtier.engine.grammar import MAX_JSON_WHITESPACE, TOOL_CALL_TRIGGER, tool_spec
-    specs = [tool_spec(t) for t in tools]
-    if choice.mode == "named":
-        specs = [s for s in specs if s[0] == choice.name]
-    tags = [{"type": "tag", "begin": call_prefix(name), "end": CALL_SUFFIX,
-             "content": {"type": "json_schema", "json_schema": params, "max_whitespace_cnt": MAX_JSON_WHITESPACE}}
-            for name, params in specs]
+    specs = [(t["function"]["name"], t["function"]["parameters"]) for t in tools
+             if choice.mode != "named" or t["function"]["name"] == choice.name]
+    if not specs:
+        raise ValueError(f"no tool to call for tool_choice {choice.mode!r}")
+    tags = [_args_tag(call_prefix(name), CALL_SUFFIX, params) for name, params in specs]
     if choice.mode == "auto":
-        # Small models (Qwen2.5-Coder 0.5B/1.5B) write calls as bare JSON, which bare_calls.py takes
-        # as a call when it is the whole reply: constrain those to the tools' schemas as well.
-        bare = [{"type": "tag", "begin": BARE_CALL_TRIGGER + json.dumps(name, ensure_ascii=False)[1:]
-                 + ', "arguments": ', "end": "}",
-                 "content": {"type": "json_schema", "json_schema": params, "max_whitespace_cnt": MAX_JSON_WHITESPACE}}
-                for name, params in specs]
-        fmt = {"type": "triggered_tags", "triggers": [TOOL_CALL_TRIGGER, BARE_CALL_TRIGGER], "tags": tags + bare,
+        bare = [_args_tag(_bare_call_prefix(name), "}", params) for name, params in specs]
+        fmt = {"type": "triggered_tags", "triggers": [CALL_TRIGGER, BARE_CALL_TRIGGER], "tags": tags + bare,
                "at_least_one": False, "stop_after_first": not choice.parallel}
     else:
         fmt = {"type": "tags_with_separator", "tags": tags, "separator": "\n",
                "at_least_one": True, "stop_after_first": not choice.parallel}
     return {"type": "structural_tag", "format": fmt}
+
+
+def _bare_call_prefix(name: str) -> str:
+    return f'{{"name": {json.dumps(name, ensure_ascii=False)}, "arguments": '
+
+
+def _args_tag(begin: str, end: str, params: dict) -> dict:
+    return {"type": "tag", "begin": begin, "end": end, "content": {"type": "json_schema", "json_schema": params}}
 
 
 def text_of(content: Any, where: str) -> str:

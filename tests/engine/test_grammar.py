@@ -11,9 +11,10 @@ import re
 import pytest
 import torch
 
-from kvtier.engine.grammar import GrammarCompilerCache, GrammarState, tool_call_structural_tag
+from kvtier.engine.grammar import GrammarCompilerCache, GrammarState
 from kvtier.engine.request import SamplingParams
 from kvtier.engine.sampler import make_generator, sample
+from kvtier.server.convert import ToolChoice, tool_call_tag
 
 PADDED_VOCAB = 49152 + 64  # logits wider than the tokenizer, like padded embeddings
 EOS = 2  # SmolLM2-Instruct <|im_end|>
@@ -47,6 +48,11 @@ def tokenizer():
 @pytest.fixture(scope="module")
 def cache(tokenizer) -> GrammarCompilerCache:
     return GrammarCompilerCache(tokenizer, PADDED_VOCAB, stop_token_ids=[EOS])
+
+
+def tool_grammar(cache: GrammarCompilerCache, mode: str, name: str | None = None, parallel: bool = True):
+    """The server's tool-call grammar (server/convert.py tool_call_tag) for TOOLS."""
+    return cache.structural_tag(tool_call_tag(TOOLS, ToolChoice(mode, name, parallel)))
 
 
 @pytest.fixture(scope="module")
@@ -123,7 +129,7 @@ CALL_RE = re.compile(r"<tool_call>\n(.*?)\n</tool_call>", re.S)
 
 @pytest.mark.parametrize("seed", range(4))
 def test_tool_call_walk_parses(tokenizer, cache, closers, seed: int) -> None:
-    text = random_walk(tokenizer, GrammarState(cache.tool_call_grammar(TOOLS, "required")), closers, seed)
+    text = random_walk(tokenizer, GrammarState(tool_grammar(cache, "required")), closers, seed)
     calls = CALL_RE.findall(text)
     assert calls and "\n".join(f"<tool_call>\n{c}\n</tool_call>" for c in calls) == text
     for c in calls:
@@ -139,23 +145,21 @@ def test_tool_call_walk_parses(tokenizer, cache, closers, seed: int) -> None:
 
 
 def test_named_and_single_call_modes(tokenizer, cache) -> None:
-    named = cache.tool_call_grammar(TOOLS, "named", name="search", parallel=False)
+    named = tool_grammar(cache, "named", "search", parallel=False)
     ok = '<tool_call>\n{"name": "search", "arguments": {"query": "kv", "filters": [true]}}\n</tool_call>'
     s = GrammarState(named)
     assert s.accept_text(ok) and s.is_completed()
     assert not s.accept_text("\n<tool_call>")  # parallel=False: one call only
     s = GrammarState(named)
     assert not s.accept_text('<tool_call>\n{"name": "get_weather"')
-    s = GrammarState(cache.tool_call_grammar(TOOLS, "required"))
+    s = GrammarState(tool_grammar(cache, "required"))
     assert not s.accept_text("Hello")  # required: no free text
-    auto = GrammarState(cache.tool_call_grammar(TOOLS, "auto"))
+    auto = GrammarState(tool_grammar(cache, "auto"))
     assert auto.accept_text("Let me look. " + ok)
-    bad = GrammarState(cache.tool_call_grammar(TOOLS, "auto"))
+    bad = GrammarState(tool_grammar(cache, "auto"))
     assert bad.accept_text("Text <tool_call>\n{") and not bad.accept_text('"name": "nope"')
-    with pytest.raises(ValueError, match="not among"):
-        tool_call_structural_tag(TOOLS, "named", name="missing")
-    with pytest.raises(ValueError):
-        tool_call_structural_tag([{"type": "function", "function": {}}])
+    with pytest.raises(ValueError, match="no tool"):
+        tool_call_tag(TOOLS, ToolChoice("named", "missing"))
 
 
 def test_rollback_restores_masks(tokenizer, cache) -> None:
@@ -173,14 +177,14 @@ def test_rollback_restores_masks(tokenizer, cache) -> None:
     assert torch.equal(s.allowed_mask(), end_mask)
 
 
-def test_ebnf_and_errors(tokenizer, cache) -> None:
-    s = GrammarState(cache.ebnf('root ::= "yes" | "no"'))
-    assert s.accept_text("no") and s.is_completed()
+def test_termination_and_errors(tokenizer, cache) -> None:
+    s = GrammarState(cache.json_schema({"enum": ["yes", "no"]}))
+    assert s.accept_text('"no"') and s.is_completed()
     assert s.accept(EOS) and s.is_terminated()
     with pytest.raises(ValueError):
         s.allowed_mask()
     with pytest.raises(ValueError):
-        cache.ebnf("root ::= (")
+        cache.structural_tag({"type": "structural_tag", "format": {"type": "nonsense"}})
     with pytest.raises(ValueError):
         cache.json_schema("{not json")
     with pytest.raises(ValueError, match="smaller"):
@@ -188,11 +192,9 @@ def test_ebnf_and_errors(tokenizer, cache) -> None:
 
 
 def test_auto_mode_constrains_bare_json_calls(cache) -> None:
-    """tool_choice auto (server/convert.py tool_call_tag): free text, and a bare `{"name": "` call,
-    which small models write instead of <tool_call>, must name an offered tool and fit its schema."""
-    from kvtier.server.convert import ToolChoice, tool_call_tag
-
-    compiled = cache.structural_tag(tool_call_tag(TOOLS, ToolChoice(mode="auto")))
+    """tool_choice auto: free text, and a bare `{"name": "` call, which small models write
+    instead of <tool_call>, must name an offered tool and fit its schema."""
+    compiled = tool_grammar(cache, "auto")
 
     def accepts(text: str) -> bool:
         return GrammarState(compiled).accept_text(text)
