@@ -18,7 +18,7 @@ import torch
 
 from kvtier.engine.cuda_graph import DecodeGraphs
 from kvtier.engine.scheduler import Batch
-from kvtier.engine.step_plan import StepPlanner
+from kvtier.engine.step_plan import StepPlanner, decode_step
 from kvtier.kv.pool import PagePool
 from kvtier.layers.attention import AttentionBackend
 
@@ -77,11 +77,8 @@ class ModelRunner:
         return logits.float()
 
     def _graph_size(self, batch: Batch) -> int | None:
-        """The captured size that runs this step, or None (eager): every sequence decodes one
-        token (not its first) and reads only compute-pool pages."""
-        if self.graphs is None:
+        """The captured size that runs this step, or None (eager): a decode step
+        (step_plan.decode_step) of a batch size some graph covers."""
+        if self.graphs is None or not decode_step(batch):
             return None
-        for s in batch.seqs:
-            if s.num_tokens != 1 or s.start == 0 or not s.sample or s.page_table[0] < 0:
-                return None
         return self.graphs.size_for(len(batch.seqs))

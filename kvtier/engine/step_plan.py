@@ -41,6 +41,13 @@ class StepInputs:
     num_rows: int  # rows actually scheduled (<= meta.num_seqs with padding)
 
 
+def decode_step(batch: Batch) -> bool:
+    """Every sequence decodes one sampled token, not its first, and its table starts with a
+    compute-pool page: the step a captured decode graph runs (the one place this is decided;
+    the planner records it in AttentionMetadata.decode_step)."""
+    return all(s.num_tokens == 1 and s.start > 0 and s.sample and s.page_table[0] >= 0 for s in batch.seqs)
+
+
 class _Staging:
     """One half of the pinned staging: int64 and int32 host arrays plus the copy's event."""
 
@@ -140,7 +147,7 @@ class StepPlanner:
             slot_mapping=self.slot_mapping[:n_tok], logits_indices=self.logits_indices[:n_out],
             block_table=self.block_table[:n_seqs], seq_lens_t=self.seq_lens[:n_seqs],
             query_start_loc_t=self.query_start_loc[:n_seqs + 1],
-            max_seq_len=max_seq_len or max(seq_lens, default=1))
+            max_seq_len=max_seq_len or max(seq_lens, default=1), decode_step=decode_step(batch))
         return StepInputs(self.input_ids[:n_tok], self.positions[:n_tok], meta, n_rows)
 
     def idle_inputs(self, n_seqs: int, max_seq_len: int) -> StepInputs:
@@ -159,7 +166,7 @@ class StepPlanner:
             page_tables=[[0]] * n_seqs, slot_mapping=self.slot_mapping[:n_seqs],
             logits_indices=self.logits_indices[:n_seqs], block_table=self.block_table[:n_seqs],
             seq_lens_t=self.seq_lens[:n_seqs], query_start_loc_t=self.query_start_loc[:n_seqs + 1],
-            max_seq_len=max_seq_len), n_seqs)
+            max_seq_len=max_seq_len, decode_step=True), n_seqs)
 
     def _next_staging(self) -> _Staging:
         st = self._staging[self._turn]

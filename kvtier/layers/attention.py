@@ -52,6 +52,9 @@ class AttentionMetadata:
     query_start_loc_t: torch.Tensor | None = None  # [B + 1] int32 = query_start_loc
     # Largest position + 1 the step may touch: seq_lens' max, or the captured capacity (graphs).
     max_seq_len: int = 0
+    # Set by the step planner (engine/step_plan.py decode_step): every sequence decodes one
+    # sampled token, not its first, from compute-pool pages: a step a decode graph can run.
+    decode_step: bool = False
 
     @property
     def num_seqs(self) -> int:
@@ -61,13 +64,6 @@ class AttentionMetadata:
     def context_bound(self) -> int:
         """An upper bound on every position + 1 in this step (no device sync needed)."""
         return self.max_seq_len or max(self.seq_lens, default=1)
-
-    @property
-    def decode_only(self) -> bool:
-        """Every sequence brings exactly one new token, none of them at position 0."""
-        qsl = self.query_start_loc
-        return all(qsl[b + 1] - qsl[b] == 1 and self.seq_lens[b] > 1 for b in range(self.num_seqs))
-
 
 class KVStore(Protocol):
     """What a backend needs from the page pool (kv/pool.py implements it)."""
@@ -125,6 +121,21 @@ class StreamingKVStore(KVStore, Protocol):
 # Host pages moved to the device per streamed chunk: bounds the staging memory
 # (chunk x page bytes) while keeping each copy large enough to be batched.
 DEFAULT_STREAM_PAGES = 64
+
+
+def plan_sink_rows(store: KVStore, meta: AttentionMetadata,
+                   device: torch.device) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Rows this step writes at sequence position 0 (a sequence's first chunk), which the pool
+    keeps exactly as sink rows: (packed row indices [n] int64, their sink slots [n]) on
+    `device`, or None (no such row, or a format without sink rows). Assigns the slots."""
+    qsl = meta.query_start_loc
+    starts = [b for b in range(meta.num_seqs) if meta.seq_lens[b] == qsl[b + 1] - qsl[b] > 0]
+    if not starts:
+        return None
+    slots = store.assign_sinks([meta.page_tables[b][0] for b in starts])
+    if slots is None:
+        return None
+    return torch.tensor([qsl[b] for b in starts], dtype=torch.long).to(device, non_blocking=True), slots
 
 
 class DensePagedAttention:
@@ -193,13 +204,7 @@ class DensePagedAttention:
         # host pages (negative ids) form a table's head, so counting stops at the first resident one
         streamed = [next((i for i, p in enumerate(pt) if p >= 0), len(pt)) for pt in tables]
         plan = _StepPlan(tables, streamed)
-        # rows written at sequence position 0 (a sequence's first chunk): kept exactly as sinks
-        qsl = meta.query_start_loc
-        starts = [b for b in range(meta.num_seqs) if meta.seq_lens[b] == qsl[b + 1] - qsl[b] > 0]
-        if starts:
-            slots = self.store.assign_sinks([tables[b][0] for b in starts])
-            if slots is not None:
-                plan.sink = (torch.tensor([qsl[b] for b in starts], dtype=torch.long).to(device), slots)
+        plan.sink = plan_sink_rows(self.store, meta, device)
         plan.first = _zero_index(device)
         if n_rows == meta.num_seqs and meta.num_seqs > 1 and not any(streamed):
             max_p = max(len(pt) for pt in tables)

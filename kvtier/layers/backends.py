@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvtier.layers.attention import AttentionMetadata, DensePagedAttention
+from kvtier.layers.attention import AttentionMetadata, DensePagedAttention, plan_sink_rows
 
 BACKEND_NAMES = ("auto", "dense", "triton")
 
@@ -56,6 +56,11 @@ class _KernelPlan:
     sink: tuple[torch.Tensor, torch.Tensor] | None = None  # prefill: (rows at position 0, sink slots)
 
 
+# The plan of a step the paged kernels do not take (host-tier pages, hand-built metadata):
+# forward hands it to the dense reference, which planned it too.
+DENSE = _KernelPlan()
+
+
 class TritonPagedAttention:
     """Steps whose pages are all in the compute pool run the paged kernels: the split-K decode
     kernel when every sequence brings one token (not its first), else the varlen causal
@@ -85,14 +90,22 @@ class TritonPagedAttention:
         self.dense.attach_host_tier(host_store)
 
     def graph_ready(self, meta: AttentionMetadata) -> bool:
-        return meta.block_table is not None and meta.decode_only and not _has_host_pages(meta)
+        """A planner-built decode step (AttentionMetadata.decode_step): the split-K kernel reads
+        only the meta's device tensors."""
+        return meta.decode_step and meta.block_table is not None
 
     def plan(self, meta: AttentionMetadata, for_graph: bool = False) -> None:
+        """Once per step, before the layers: the split count of a decode step, the prefill
+        kernel's plan (with sink rows), or DENSE for steps the paged kernels do not take."""
         if not for_graph and not self.graph_ready(meta):
             if meta.block_table is None or meta.query_start_loc_t is None or _has_host_pages(meta):
                 self.dense.plan(meta)
+                meta.step_cache[id(self)] = DENSE
             else:
-                meta.step_cache[id(self)] = self._prefill_plan(meta)
+                qsl = meta.query_start_loc
+                meta.step_cache[id(self)] = _KernelPlan(
+                    prefill=True, max_new=max(qsl[b + 1] - qsl[b] for b in range(meta.num_seqs)),
+                    sink=plan_sink_rows(self.store, meta, meta.slot_mapping.device))
             return
         from kvtier.kernels.paged_attention import choose_num_splits
         # batch rounded up to a power of two: the same for a step and the padded graph replaying it
@@ -102,28 +115,13 @@ class TritonPagedAttention:
                                    self.store.page_size, self.num_sms)
         meta.step_cache[id(self)] = _KernelPlan(splits)
 
-    def _prefill_plan(self, meta: AttentionMetadata) -> _KernelPlan:
-        """Rows written at sequence position 0 (a sequence's first chunk) keep exact sink copies,
-        as in the dense backend's plan."""
-        qsl = meta.query_start_loc
-        starts = [b for b in range(meta.num_seqs) if meta.seq_lens[b] == qsl[b + 1] - qsl[b] > 0]
-        plan = _KernelPlan(prefill=True, max_new=max(qsl[b + 1] - qsl[b] for b in range(meta.num_seqs)))
-        if starts:
-            slots = self.store.assign_sinks([meta.page_tables[b][0] for b in starts])
-            if slots is not None:
-                rows = torch.tensor([qsl[b] for b in starts], dtype=torch.long)
-                plan.sink = (rows.to(meta.slot_mapping.device, non_blocking=True), slots)
-        return plan
-
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
         plan = meta.step_cache.get(id(self))
         if plan is None:
-            if id(self.dense) not in meta.step_cache:
-                self.plan(meta)
-            plan = meta.step_cache.get(id(self))
-            if plan is None:
-                return self.dense.forward(layer, q, k, v, meta)
+            raise RuntimeError("TritonPagedAttention.plan(meta) must run once before the step's forward")
+        if plan is DENSE:
+            return self.dense.forward(layer, q, k, v, meta)
         from kvtier.kernels.paged_attention import paged_decode, paged_prefill
         store = self.store
         # decode rows are never at position 0: sink rows come only with prefill chunks
