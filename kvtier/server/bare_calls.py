@@ -19,6 +19,9 @@ import re
 from kvtier.server.parsing import TextDelta, ToolCallArgsDelta, ToolCallEnd, ToolCallStart, default_call_id
 
 FENCE = re.compile(r"^```(?:json)?\s*\n(.*?)\n?```\s*$", re.DOTALL)
+# Tags other than <tool_call> that llama.cpp's Hermes parser takes around a call's JSON.
+WRAPPERS = ("tools", "tool", "function_call", "response", "json", "xml", "JSON")
+WRAPPED = re.compile(rf"^<({'|'.join(WRAPPERS)})>\s*(.*?)\s*(?:</\1>)?$", re.DOTALL)
 # What a held reply may still start with: an object, a list, or a code fence (``` + optional "json").
 OPENERS = ("{", "[", "```")
 
@@ -57,8 +60,11 @@ class BareCallHold:
     def _parse(self, text: str) -> list[tuple[str, str]] | None:
         body = text.strip()
         fenced = FENCE.match(body)
+        wrapped = WRAPPED.match(body)
         if fenced:
             body = fenced.group(1).strip()
+        elif wrapped:
+            body = wrapped.group(2)
         try:
             doc = json.loads(body)
         except json.JSONDecodeError:
@@ -87,6 +93,8 @@ def _may_be_call(text: str) -> bool:
         return True
     if s[0] in "{[":
         return True
+    if s[0] == "<":
+        return _may_be_wrapped(s)
     if len(s) < len(OPENERS[2]):
         return OPENERS[2].startswith(s)
     if not s.startswith(OPENERS[2]):
@@ -97,3 +105,12 @@ def _may_be_call(text: str) -> bool:
         return "json".startswith(tag.strip()) or tag.strip() == ""
     rest = rest.lstrip()
     return tag.strip() in ("", "json") and (not rest or rest[0] in "{[")
+
+
+def _may_be_wrapped(s: str) -> bool:
+    """`s` (starting with `<`) may still become a wrapper tag and then a JSON document."""
+    tag, closed, rest = s[1:].partition(">")
+    if not closed:
+        return any(w.startswith(tag) for w in WRAPPERS)
+    rest = rest.lstrip()
+    return tag in WRAPPERS and (not rest or rest[0] in "{[")

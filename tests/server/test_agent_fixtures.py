@@ -148,9 +148,14 @@ BASH_TOOL = {"name": "Bash", "description": "run a shell command",
              "input_schema": {"type": "object", "properties": {"command": {"type": "string"}}}}
 
 
-def test_bare_json_call_becomes_tool_use(client, engine):
-    """Qwen2.5-Coder writes calls without <tool_call> tags; a whole-reply call is still a call."""
-    engine.script = BARE_CALL
+CALL_JSON = '{"name": "Bash", "arguments": {"command": "echo hi > hello.txt"}}'
+
+
+@pytest.mark.parametrize("reply", [BARE_CALL, CALL_JSON, f"<tools>\n{CALL_JSON}\n</tools>", f"<tools>{CALL_JSON}"])
+def test_bare_json_call_becomes_tool_use(client, engine, reply):
+    """Qwen2.5-Coder writes calls without <tool_call> tags (fenced, bare, or inside the <tools> tag
+    the tool list came in); a whole-reply call is still a call."""
+    engine.script = reply
     body = {"model": MODEL, "max_tokens": 200, "tools": [BASH_TOOL],
             "messages": [{"role": "user", "content": "write hello.txt"}]}
     r = client.post("/v1/messages", json=body)
@@ -163,4 +168,4 @@ def test_bare_json_call_becomes_tool_use(client, engine):
     assert [f.data["content_block"]["type"] for f in frames if f.event == "content_block_start"] == ["tool_use"]
     # without tools, or naming a tool not offered, the same text stays text
     r = client.post("/v1/messages", json={**body, "tools": [{**BASH_TOOL, "name": "Other"}]})
-    assert r.json()["content"][0] == {"type": "text", "text": BARE_CALL}
+    assert r.json()["content"][0] == {"type": "text", "text": reply}
