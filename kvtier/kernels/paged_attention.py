@@ -90,6 +90,12 @@ if HAVE_TRITON:
     MODE_INT8 = tl.constexpr(1)  # int8 code * per-row fp16 scale
     MODE_FP8 = tl.constexpr(2)  # e4m3 byte * per-row fp16 scale
     MODE_INT4 = tl.constexpr(3)  # (nibble - 8) * per-group fp16 scale, two codes a byte
+    # int8 codes -> fp16 four at a time (_tile): flip each byte's sign bit, put bytes 0/2 (1/3)
+    # under an fp16 exponent of 1024 in the two halves of a word, subtract 1024 + 128.
+    SIGN_BITS = tl.constexpr(-0x7F7F7F80)  # 0x80808080 as an int32
+    LOW_BYTES = tl.constexpr(0x00FF00FF)
+    FP16_1024X2 = tl.constexpr(0x64006400)  # two fp16 1024.0
+    LOW_NIBBLES = tl.constexpr(0x000F000F)
 
     @triton.jit
     def _tile(data_ptr, scale_ptr, row, valid, MODE: tl.constexpr, D: tl.constexpr, GROUP: tl.constexpr,
@@ -103,7 +109,27 @@ if HAVE_TRITON:
         int4 tiles decoded in fp32 (their scales vary along D); both with scale 1.
         """
         rs = tl.full([BLOCK_N], 1.0, tl.float32)
-        if MODE == MODE_INT4:
+        if MODE == MODE_INT4 and HALF and GROUP >= 8:
+            # eight codes a 32-bit word: nibble k of each half-word under an fp16 exponent of 1024
+            # (integer ops, no I2F), minus 1024 + 8; times the fp16 group scale (one rounding, as
+            # the fp32 product rounded to fp16)
+            NG: tl.constexpr = D // GROUP
+            wp = data_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
+            w = tl.load(wp + row[:, None] * (D // 8) + tl.arange(0, D // 8)[None, :], mask=valid[:, None],
+                        other=0)  # [BLOCK_N, D / 8]
+            a0 = _nibbles_f16(w, 0)  # (value 8i, value 8i + 4)
+            a1 = _nibbles_f16(w, 4)
+            a2 = _nibbles_f16(w, 8)
+            a3 = _nibbles_f16(w, 12)
+            # value 8i + 4a + 2b + c: tl.join adds a last (fastest) axis, so the innermost join
+            # picks a (the half-word), the outermost c
+            even = tl.join(tl.join(a0[0], a0[1]), tl.join(a2[0], a2[1]))  # c = 0
+            odd = tl.join(tl.join(a1[0], a1[1]), tl.join(a3[0], a3[1]))  # c = 1
+            codes = tl.reshape(tl.join(even, odd), (BLOCK_N, NG, GROUP))
+            sc = tl.load(scale_ptr + row[:, None] * NG + tl.arange(0, NG)[None, :], mask=valid[:, None],
+                         other=0.0)  # [BLOCK_N, NG] fp16
+            tile = tl.reshape(codes * sc[:, :, None], (BLOCK_N, D))
+        elif MODE == MODE_INT4:
             NG: tl.constexpr = D // GROUP  # scales per row
             HG: tl.constexpr = GROUP // 2  # bytes per group
             r3 = row[:, None, None]
@@ -118,6 +144,22 @@ if HAVE_TRITON:
                 lo = lo.to(tl.float16)
                 hi = hi.to(tl.float16)
             tile = tl.reshape(tl.join(lo, hi), (BLOCK_N, D))  # interleaved back to d order
+        elif MODE == MODE_INT8 and HALF:
+            # four codes a 32-bit word, turned into fp16 with integer ops instead of one I2F (and
+            # a byte extract) per code: (code + 128) | 0x6400 is the fp16 1024 + code + 128, exact
+            wp = data_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
+            w = tl.load(wp + row[:, None] * (D // 4) + tl.arange(0, D // 4)[None, :], mask=valid[:, None],
+                        other=0)  # [BLOCK_N, D / 4]
+            u = w ^ SIGN_BITS  # each byte + 128 (mod 256): unsigned 0..255
+            lo = (u & LOW_BYTES) | FP16_1024X2  # bytes 0 and 2 as fp16 pairs
+            hi = ((u >> 8) & LOW_BYTES) | FP16_1024X2  # bytes 1 and 3
+            b0 = (lo & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True) - 1152.0
+            b2 = (lo >> 16).to(tl.int16).to(tl.float16, bitcast=True) - 1152.0
+            b1 = (hi & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True) - 1152.0
+            b3 = (hi >> 16).to(tl.int16).to(tl.float16, bitcast=True) - 1152.0
+            # tl.join adds a last (fastest) axis: the outer join picks the low bit of the index
+            tile = tl.reshape(tl.join(tl.join(b0, b2), tl.join(b1, b3)), (BLOCK_N, D))
+            rs = tl.load(scale_ptr + row, mask=valid, other=0.0).to(tl.float32)
         else:
             x = tl.load(data_ptr + row[:, None] * D + tl.arange(0, D)[None, :], mask=valid[:, None], other=0)
             if MODE == MODE_PLAIN:
@@ -131,6 +173,14 @@ if HAVE_TRITON:
                     tile = x.to(tl.float16)
                 rs = tl.load(scale_ptr + row, mask=valid, other=0.0).to(tl.float32)
         return tile, rs
+
+    @triton.jit
+    def _nibbles_f16(w, shift: tl.constexpr):
+        """Nibbles `shift` and `shift + 16` of int32 words -> (low, high) fp16 code - 8 (exact)."""
+        x = ((w >> shift) & LOW_NIBBLES) | FP16_1024X2
+        low = (x & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True) - 1032.0
+        high = (x >> 16).to(tl.int16).to(tl.float16, bitcast=True) - 1032.0
+        return low, high
 
     @triton.jit
     def _sink_start(q, sk_ptr, sv_ptr, srow, use, qk_scale, m_i, l_i, acc, D: tl.constexpr):
@@ -474,9 +524,16 @@ if HAVE_TRITON:
         valid = tok < ctx
         page = tl.load(bt_row + tok // S, mask=valid, other=0).to(tl.int64)
         row = (page * Hkv + h) * S + tok % S
-        k, ks = _tile(k_ptr, ks_ptr, row, valid, K_MODE, D, K_GROUP, BLOCK_N, BIAS)
-        v, vs = _tile(v_ptr, vs_ptr, row, valid, V_MODE, D, V_GROUP, BLOCK_N, BIAS)
-        s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PREC)  # [M, BLOCK_N]
+        # 16-bit q: code tiles come decoded to fp16 (word-wise, no per-code I2F) and are dotted in
+        # fp16, as in the decode kernel; plain tiles and fp32 q as stored
+        k_half: tl.constexpr = q.dtype != tl.float32 and K_MODE != MODE_PLAIN
+        v_half: tl.constexpr = q.dtype != tl.float32 and V_MODE != MODE_PLAIN
+        k, ks = _tile(k_ptr, ks_ptr, row, valid, K_MODE, D, K_GROUP, BLOCK_N, BIAS, k_half)
+        v, vs = _tile(v_ptr, vs_ptr, row, valid, V_MODE, D, V_GROUP, BLOCK_N, BIAS, v_half)
+        if k_half:
+            s = tl.dot(q.to(tl.float16), tl.trans(k), input_precision=DOT_PREC)  # [M, BLOCK_N]
+        else:
+            s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PREC)  # [M, BLOCK_N]
         if K_MODE == MODE_INT8 or K_MODE == MODE_FP8:
             s = s * (ks * qk_scale)[None, :]  # the row scales times the softmax scale: one multiply
             sc = 1.0
@@ -496,7 +553,10 @@ if HAVE_TRITON:
         l_i = l_i * alpha + tl.sum(p, axis=1)
         if V_MODE == MODE_INT8 or V_MODE == MODE_FP8:
             p = p * vs[None, :]
-        acc = tl.dot(p.to(q.dtype), v.to(q.dtype), acc * alpha[:, None], input_precision=DOT_PREC)
+        if v_half:
+            acc = tl.dot(p.to(tl.float16), v, acc * alpha[:, None], input_precision=DOT_PREC)
+        else:
+            acc = tl.dot(p.to(q.dtype), v.to(q.dtype), acc * alpha[:, None], input_precision=DOT_PREC)
         return acc, m_new, l_i
 
     # Runtime ints that may be 1 or multiples of 16: not specialised on value (one compile serves all).

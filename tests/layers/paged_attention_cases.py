@@ -124,6 +124,8 @@ INTERP_CASES += [
     ("k8v4", 1, 2, 32, [300, 7], [False, True], torch.float32),  # several tiles per split
     ("int8", 4, 8, 32, [19, 0, 64], [True, False, True], torch.float16),
     ("fp8", 2, 4, 16, [11, 26], [True, True], torch.float16),
+    ("k8v4", 2, 4, 64, [37, 3], [True, False], torch.float16),  # word-wise int8 / int4 -> fp16 decode
+    ("int4", 1, 4, 32, [21, 6], [False, True], torch.float16),
 ]
 # (num_splits, with sinks): splits 1 with and without sinks, 3 with (each ~18 ms a program here)
 INTERP_RUNS = ((1, False), (1, True), (3, True))

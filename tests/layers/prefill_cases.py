@@ -86,6 +86,7 @@ INTERP_CASES += [
     ("int8", 4, 2, 16, torch.float16, (32, 16, 4, 2)),  # fp16 dots, 8 rows x 4 heads a tile
     ("fp8", 2, 16, 16, torch.float16, INTERP_BLOCKS),  # a page as long as a key tile
     ("k8v4", 4, 16, 32, torch.float16, (128, 64, 8, 3)),  # a Hopper 16-bit shape: 32 rows x 4 heads a tile
+    ("int4", 2, 4, 32, torch.float16, INTERP_BLOCKS),  # word-wise int4 -> fp16 decode
 ]
 
 
