@@ -168,19 +168,26 @@ def _diff(cfg: object, base: object) -> str:
     for f in fields(cfg):
         a, b = getattr(cfg, f.name), getattr(base, f.name)
         if a != b:
-            out.append(f"{short[f.name]}{a}" if f.name in short else ("+" if a else "-") + f.name)
+            if f.name in short:
+                out.append(f"{short[f.name]}{a}")
+            else:
+                out.append(("+" if a else "-") + f.name if isinstance(a, bool) else f"{f.name}={a}")
     return " ".join(out)
 
 
 def skinny_variants(base: wq.SkinnyConfig, label: str, quick: bool) -> dict[str, wq.SkinnyConfig]:
-    """base, then one change at a time: tiles, warps, stages, switches, split-K."""
+    """base, then one change at a time: tiles, warps, prefetch, code loads and conversion, split-K."""
     out = {label: base}
     if quick:
         return out
     bn, bk = base.block_n, base.block_k
     changes = [dict(block_n=bn // 2), dict(block_n=bn * 2), dict(block_k=bk * 2), dict(block_k=bk // 2),
-               dict(num_warps=8), dict(num_stages=2), dict(num_stages=4), dict(group_scale=not base.group_scale),
-               dict(words=not base.words), dict(fast_cvt=not base.fast_cvt), dict(split_k=1)]
+               dict(num_warps=8), dict(prefetch=not base.prefetch), dict(words=not base.words), dict(split_k=1)]
+    if base.use_dot:  # x^T feeds tl.dot: Triton's pipeliner streams it num_stages deep
+        changes += [dict(num_stages=2), dict(num_stages=4), dict(cvt="magic"), dict(cvt="cvt"),
+                    dict(group_scale=True, cvt="magic")]  # ("unit" codes are inexact in a bf16 dot)
+    else:
+        changes += [dict(cvt="magic"), dict(cvt="cvt"), dict(group_scale=False)]
     for ch in changes:
         cfg = replace(base, **ch)
         out[f"{label} {_diff(cfg, base)}"] = cfg
@@ -193,7 +200,7 @@ def gemm_variants(quick: bool) -> dict[str, wq.GemmConfig]:
     if quick:
         return out
     for ch in (dict(block_n=256), dict(block_m=64, num_warps=4), dict(block_k=128), dict(num_stages=4),
-               dict(block_m=64, block_n=64, num_warps=4), dict(words=True), dict(fast_cvt=False)):
+               dict(block_m=64, block_n=64, num_warps=4), dict(words=True), dict(cvt="magic"), dict(cvt="cvt")):
         cfg = replace(base, **ch)
         out[f"gemm {_diff(cfg, base)}"] = cfg
     return out
@@ -203,10 +210,8 @@ def variants(bits: int, m: int, quick: bool) -> dict[str, Make]:
     out: dict[str, Make] = {"default": ours(wq.wq_linear)}
     if m <= wq.SKINNY_MAX_M:
         cfgs = {}
-        if m <= wq.MAX_FMA_BLOCK_M:
-            cfgs.update(skinny_variants(wq.FMA_CONFIG, "fma", quick or m > 1))
-            if m > 1:  # the tile grid at M = 1 only; here a split-K check
-                cfgs["fma split1"] = replace(wq.FMA_CONFIG, split_k=1)
+        if m <= wq.MAX_FMA_BLOCK_M:  # the CUDA-core path takes one row of x per program
+            cfgs.update(skinny_variants(wq.FMA_CONFIG, "fma", quick))
         cfgs.update(skinny_variants(wq.DOT_CONFIG, "dot", quick or m not in (1, 32)))
         for name, cfg in cfgs.items():
             out[name] = ours(lambda x, w, cfg=cfg: wq.wq_skinny(x, w, cfg=cfg))

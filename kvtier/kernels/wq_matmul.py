@@ -12,10 +12,11 @@ Three paths, chosen by M (`wq_linear`):
                             K:          | split 0 | split 1 | ...          (axis 1)
                         split_k > 1 writes fp32 partials [split_k, M, N], summed in a fixed
                         order by `_reduce_kernel` (deterministic, no atomics), which also runs
-                        the epilogue. Inner product on CUDA cores (M <= FMA_MAX_M: BLOCK_M
-                        rows of x multiply-summed against each unpacked code) or on tensor
-                        cores with W's rows as the MMA's M side (swap-AB: x^T is the [K, 16+]
-                        operand, so M = 1..32 costs one m16 tile, not 128).
+                        the epilogue. Inner product on CUDA cores (M <= FMA_MAX_M: one row of
+                        x per program, each code unpacked and multiply-summed in registers) or on
+                        tensor cores with W's rows as the MMA's M side (swap-AB: the codes tile
+                        [BLOCK_N, BLOCK_K] is the A operand, x^T [BLOCK_K, 16 or 32] the B one,
+                        so M = 1..32 pads to an n16/n32 tile, not to 64 rows of x).
     M < DEQUANT_MIN_M   `wq_gemm`: a tiled GEMM that dequantizes each [BLOCK_N, BLOCK_K] weight
                         tile in registers and feeds it to tl.dot (the mixed-precision pattern).
     M >= DEQUANT_MIN_M  `wq_dequant_matmul`: dequantize W into a scratch [chunk, K] in x.dtype
@@ -28,9 +29,22 @@ Tricks behind switches (SkinnyConfig) so tools/sweep_wq.py can time each:
     not once per weight.
   * words: 4-bit / 8-bit codes loaded as int32 words (8 / 4 codes a load) and unpacked with
     shifts and masks, vs bytes.
-  * fast_cvt: int -> fp32 by OR-ing the code into the mantissa of 2^23 and subtracting 2^23
-    (one LOP + one FADD) instead of cvt.rn.f32.s32, whose throughput (16/clk/SM on sm_90)
-    cannot keep up with 4-bit codes at full bandwidth.
+  * cvt, how codes become floats: "cvt" (cvt.rn.f32.s32: 16/clk/SM on sm_90, too few for 4-bit
+    codes at full bandwidth); "magic": OR the code into the mantissa of 2^23 and subtract 2^23
+    (LOP + FADD, exact); "unit": the code u (c + 128 for 8-bit) shifted into the top mantissa bits
+    of 1.0, f = 1 + u / 2^bits (SHF + LOP, no FADD), the 1 and the bias folded into each group's
+    scale and min: c s + m = f 2^bits s + (m - (2^bits + bias) s), and with group_scale
+    sum_k x_k c_k = 2^bits sum_k x_k f_k - (2^bits + bias) sum_k x_k. Not with use_dot and
+    group_scale (1 + u / 256 is not exact in bf16).
+
+  * prefetch: the next iteration's codes, scales (and x) are loaded before this iteration's math
+    (Triton's pipeliner only streams loads that feed tl.dot directly).
+
+Offline sm_90 builds (Triton 3.9, ptxas; SASS of the K loop, 4-bit, 64 codes a thread an
+iteration): the default CUDA-core path ("unit", group_scale, words) ~5.5 instructions a weight,
+123 registers, no spills; "magic" ~6.3, "cvt" more; the default tensor-core path (wgmma) ~6.7.
+At ~33 T instructions/s (132 SMs) 4-bit codes at 4.8 TB/s need <= ~4 a weight, so the 4-bit
+decode is ALU-bound near the target and the sweep should decide between these.
 
 Every launch depends on shapes only and reads nothing back on the host: CUDA-graph capturable.
 `wq_linear_reference` is the plain-PyTorch definition (fp32 dequantize + matmul) that CPU runs
@@ -79,8 +93,10 @@ PARTIAL_BUDGET = 0.1
 REDUCE_BLOCK = 1024
 # Smallest operand side Triton's tl.dot takes.
 MIN_DOT = 16
-# Largest BLOCK_M of the CUDA-core path ([BLOCK_M, BLOCK_N, BLOCK_K] products in registers).
-MAX_FMA_BLOCK_M = 4
+# Rows of x per program of the CUDA-core path: one, so that every tensor is 2-D [BLOCK_N, ...] in the
+# codes' layout (offline sm_90 builds with a [BLOCK_M, BLOCK_N, BLOCK_K] product put K across lanes
+# and shuffled/converted the whole tile every iteration). More rows take the tensor-core path.
+MAX_FMA_BLOCK_M = 1
 # fp32 x: three tf32 tensor-core products (about fp32 accuracy; "ieee" FMA dots of 128 x 128 GEMM
 # tiles need far more registers). 16-bit x: ignored by tl.dot.
 FP32_DOT = "tf32x3"
@@ -99,7 +115,9 @@ class SkinnyConfig:
     use_dot: bool = False  # tensor cores (swap-AB tl.dot) vs CUDA-core multiply-sum
     group_scale: bool = True  # scale/min per group after the partial sum (see module docstring)
     words: bool = True  # codes loaded as int32 words
-    fast_cvt: bool = True  # int -> fp32 by the 2^23 mantissa trick
+    cvt: str = "unit"  # codes -> floats: "cvt", "magic" or "unit" (module docstring)
+    prefetch: bool = True  # issue the next iteration's loads before this one's math (by hand:
+    # Triton's pipeliner only streams loads that feed tl.dot directly, not codes that are unpacked)
     split_k: int = 0  # 0: `choose_split_k`
 
 
@@ -114,12 +132,16 @@ class GemmConfig:
     num_stages: int = 3
     group_m: int = 8
     words: bool = False
-    fast_cvt: bool = True
+    cvt: str = "unit"  # "cvt", "magic" or "unit" (module docstring)
 
 
 # Defaults by regime (to be replaced by the sweep's winners, tools/sweep_wq.py).
 FMA_CONFIG = SkinnyConfig()
-DOT_CONFIG = SkinnyConfig(block_n=64, block_k=256, use_dot=True, group_scale=False)
+# Tensor-core path: [64, 128] code tiles keep it near 128 registers (sm_90 offline build, M = 32:
+# 256 columns took all 255 registers, i.e. half the resident programs).
+DOT_CONFIG = SkinnyConfig(block_n=64, block_k=128, use_dot=True, group_scale=False)
+# SkinnyConfig/GemmConfig.cvt -> the kernels' CVT constexpr.
+CVT_MODES = {"cvt": 0, "magic": 1, "unit": 2}
 GEMM_CONFIG = GemmConfig()
 
 
@@ -177,80 +199,133 @@ def wq_linear(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None = None,
 
 if HAVE_TRITON:
     @triton.jit
-    def _to_float(c, BITS: tl.constexpr, FAST_CVT: tl.constexpr):
-        """int32 codes -> exact fp32. FAST_CVT: 2^23 + c as bits (c + 128 for signed 8-bit) minus 2^23."""
-        if FAST_CVT:
-            if BITS == 4:
-                f = (c | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
-            else:
-                f = ((c + 128) | 0x4B000000).to(tl.float32, bitcast=True) - 8388736.0
+    def _to_float(u, BITS: tl.constexpr, CVT: tl.constexpr):
+        """Biased codes u (uint32; `_unpack`) -> fp32.
+
+        CVT 0: the code c = u - bias by a cvt instruction; 1: c exactly by 2^23 + u as bits minus
+        2^23 + bias; 2: 1 + u / 2^BITS ("unit": the caller removes the 1 and the bias per group).
+        """
+        bias: tl.constexpr = 0.0 if BITS == 4 else 128.0
+        if CVT == 1:
+            f = (u | 0x4B000000).to(tl.float32, bitcast=True) - (8388608.0 + bias)
+        elif CVT == 2:  # u arrives already shifted to the top mantissa bits (`_unpack` AT = 23 - BITS)
+            f = (u | 0x3F800000).to(tl.float32, bitcast=True)
         else:
-            f = c.to(tl.float32)
+            f = u.to(tl.float32) - bias
         return f
 
     @triton.jit
-    def _codes(q_ptr, rows, k0, K, BITS: tl.constexpr, R: tl.constexpr, BLOCK_K: tl.constexpr,
-               WORDS: tl.constexpr):
-        """Codes of W rows `rows` [R] (int64), columns k0 .. k0 + BLOCK_K -> int32 [R, BLOCK_K].
+    def _load_codes(q_ptr, rows, k0, K, BITS: tl.constexpr, BLOCK_K: tl.constexpr, WORDS: tl.constexpr):
+        """The stored codes of W rows `rows` [R] (int64), columns k0 .. k0 + BLOCK_K, as loaded:
+        uint32 words [R, BLOCK_K / (8 | 4)] (WORDS) or bytes [R, BLOCK_K / (2 | 1)].
 
-        q_ptr: uint8 [N, K/2] / int8 [N, K] (bytes), or the same memory as int32 (WORDS). A
-        little-endian word holds columns 8j .. 8j+7 (4-bit, nibble i at bits 4i) or 4j .. 4j+3
-        (8-bit, byte i at bits 8i); the joins below put them back in column order.
+        q_ptr: uint8 [N, K/2] / int8 [N, K], or the same memory as int32 (WORDS). K and k0 must be
+        whole multiples of BLOCK_K (the loads are declared aligned to it: 16-byte vector loads).
         """
+        per: tl.constexpr = (8 if BITS == 4 else 4) if WORDS else (2 if BITS == 4 else 1)  # codes per element
+        base = tl.multiple_of(rows[:, None] * (K // per) + k0 // per, [BLOCK_K // per, BLOCK_K // per])
+        raw = tl.load(q_ptr + base + tl.arange(0, BLOCK_K // per)[None, :])
+        if WORDS:
+            raw = raw.to(tl.uint32, bitcast=True)
+        elif BITS == 8:
+            raw = raw.to(tl.uint8, bitcast=True)
+        return raw
+
+    @triton.jit
+    def _field(raw, FROM: tl.constexpr, WIDTH: tl.constexpr, TO: tl.constexpr):
+        """Bits FROM .. FROM + WIDTH of uint32 `raw`, moved to bits TO .. TO + WIDTH (one shift + one mask)."""
+        if TO >= FROM:
+            v = raw << (TO - FROM)
+        else:
+            v = raw >> (FROM - TO)
+        return v & (((1 << WIDTH) - 1) << TO)
+
+    @triton.jit
+    def _unpack(raw, BITS: tl.constexpr, R: tl.constexpr, BLOCK_K: tl.constexpr, WORDS: tl.constexpr,
+                AT: tl.constexpr):
+        """`_load_codes` output -> biased codes u << AT, uint32 [R, BLOCK_K]: 4-bit u = c (0..15);
+        8-bit u = c + 128, the byte with its top bit flipped (0..255). AT: the bit the code lands
+        on (`_to_float`'s "unit" wants it at the top of the fp32 mantissa). A little-endian word
+        holds columns 8j .. 8j+7 (4-bit, nibble i at bits 4i) or 4j .. 4j+3 (8-bit, byte i at bits
+        8i); the joins put them back in column order."""
         if BITS == 4:
             if WORDS:
-                wd = tl.load(q_ptr + rows[:, None] * (K // 8) + k0 // 8 + tl.arange(0, BLOCK_K // 8)[None, :])
-                n0 = wd & 0xF
-                n1 = (wd >> 4) & 0xF
-                n2 = (wd >> 8) & 0xF
-                n3 = (wd >> 12) & 0xF
-                n4 = (wd >> 16) & 0xF
-                n5 = (wd >> 20) & 0xF
-                n6 = (wd >> 24) & 0xF
-                n7 = (wd >> 28) & 0xF
+                n0 = _field(raw, 0, 4, AT)
+                n1 = _field(raw, 4, 4, AT)
+                n2 = _field(raw, 8, 4, AT)
+                n3 = _field(raw, 12, 4, AT)
+                n4 = _field(raw, 16, 4, AT)
+                n5 = _field(raw, 20, 4, AT)
+                n6 = _field(raw, 24, 4, AT)
+                n7 = _field(raw, 28, 4, AT)
                 # index [.., a, b, c] of the nested joins is column 4a + 2b + c of the word
                 t0 = tl.join(tl.join(n0, n4), tl.join(n2, n6))
                 t1 = tl.join(tl.join(n1, n5), tl.join(n3, n7))
-                c = tl.reshape(tl.join(t0, t1), (R, BLOCK_K))
+                u = tl.reshape(tl.join(t0, t1), (R, BLOCK_K))
             else:
-                b = tl.load(q_ptr + rows[:, None] * (K // 2) + k0 // 2
-                            + tl.arange(0, BLOCK_K // 2)[None, :]).to(tl.int32)
-                c = tl.reshape(tl.join(b & 0xF, b >> 4), (R, BLOCK_K))
+                b = raw.to(tl.uint32)
+                u = tl.reshape(tl.join(_field(b, 0, 4, AT), _field(b, 4, 4, AT)), (R, BLOCK_K))
         else:
             if WORDS:
-                wd = tl.load(q_ptr + rows[:, None] * (K // 4) + k0 // 4 + tl.arange(0, BLOCK_K // 4)[None, :])
-                # index [.., a, c] is column 2a + c; << then arithmetic >> sign-extends each byte
-                t0 = tl.join(wd << 24 >> 24, wd << 8 >> 24)
-                t1 = tl.join(wd << 16 >> 24, wd >> 24)
-                c = tl.reshape(tl.join(t0, t1), (R, BLOCK_K))
+                wd = raw ^ 0x80808080  # every byte + 128
+                # index [.., a, c] is column 2a + c
+                t0 = tl.join(_field(wd, 0, 8, AT), _field(wd, 16, 8, AT))
+                t1 = tl.join(_field(wd, 8, 8, AT), _field(wd, 24, 8, AT))
+                u = tl.reshape(tl.join(t0, t1), (R, BLOCK_K))
             else:
-                c = tl.load(q_ptr + rows[:, None] * K + k0 + tl.arange(0, BLOCK_K)[None, :]).to(tl.int32)
-        return c
+                u = (raw.to(tl.uint32) ^ 0x80) << AT
+        return u
 
     @triton.jit
-    def _group_params(s_ptr, mn_ptr, rows, k0, K, GROUP: tl.constexpr, GPI: tl.constexpr,
-                      HAS_MINS: tl.constexpr):
-        """Scales and mins [R, GPI] fp32 of the GPI groups from column k0 (mins 0 without HAS_MINS)."""
-        offs = rows[:, None] * (K // GROUP) + k0 // GROUP + tl.arange(0, GPI)[None, :]
-        sc = tl.load(s_ptr + offs).to(tl.float32)
-        if HAS_MINS:
-            mn = tl.load(mn_ptr + offs).to(tl.float32)
+    def _codes_f32(raw, BITS: tl.constexpr, R: tl.constexpr, BLOCK_K: tl.constexpr, WORDS: tl.constexpr,
+                   CVT: tl.constexpr):
+        """`_load_codes` output -> fp32 [R, BLOCK_K] by `_to_float` (the "unit" shift done in the unpack)."""
+        if CVT == 2:
+            return _to_float(_unpack(raw, BITS, R, BLOCK_K, WORDS, 23 - BITS), BITS, CVT)
         else:
-            mn = tl.zeros_like(sc)
+            return _to_float(_unpack(raw, BITS, R, BLOCK_K, WORDS, 0), BITS, CVT)
+
+    @triton.jit
+    def _load_groups(s_ptr, mn_ptr, rows, k0, K, GROUP: tl.constexpr, GPI: tl.constexpr,
+                     HAS_MINS: tl.constexpr):
+        """Scales and mins [R, GPI] (fp16, as stored) of the GPI groups from column k0 (mins: the
+        scales again without HAS_MINS, unused)."""
+        offs = rows[:, None] * (K // GROUP) + k0 // GROUP + tl.arange(0, GPI)[None, :]
+        sc = tl.load(s_ptr + offs)
+        if HAS_MINS:
+            mn = tl.load(mn_ptr + offs)
+        else:
+            mn = sc
         return sc, mn
+
+    @triton.jit
+    def _apply_groups(q, sc, mn, BITS: tl.constexpr, GROUP: tl.constexpr, HAS_MINS: tl.constexpr,
+                      CVT: tl.constexpr):
+        """`_to_float` codes q [R, BLOCK_K] -> weights code * scale + min, fp32, per group
+        (sc, mn [R, BLOCK_K / GROUP]). CVT 2 (q = 1 + u / 2^B): q * 2^B s + (min - (2^B + bias) s)."""
+        R: tl.constexpr = q.shape[0]
+        BLOCK_K: tl.constexpr = q.shape[1]
+        GPI: tl.constexpr = BLOCK_K // GROUP
+        scf = sc.to(tl.float32)
+        if CVT == 2:
+            unit: tl.constexpr = 2.0 ** BITS
+            bias: tl.constexpr = 0.0 if BITS == 4 else 128.0
+            mnf = mn.to(tl.float32) if HAS_MINS else 0.0
+            w = tl.reshape(q, (R, GPI, GROUP)) * (scf * unit)[:, :, None] + (mnf - scf * (unit + bias))[:, :, None]
+        elif HAS_MINS:
+            w = tl.reshape(q, (R, GPI, GROUP)) * scf[:, :, None] + mn.to(tl.float32)[:, :, None]
+        else:
+            w = tl.reshape(q, (R, GPI, GROUP)) * scf[:, :, None]
+        return tl.reshape(w, (R, BLOCK_K))
 
     @triton.jit
     def _dequant(q_ptr, s_ptr, mn_ptr, rows, k0, K, BITS: tl.constexpr, GROUP: tl.constexpr,
                  HAS_MINS: tl.constexpr, R: tl.constexpr, BLOCK_K: tl.constexpr, WORDS: tl.constexpr,
-                 FAST_CVT: tl.constexpr):
+                 CVT: tl.constexpr):
         """W[rows, k0 .. k0 + BLOCK_K] = code * scale + min: fp32 [R, BLOCK_K]."""
-        GPI: tl.constexpr = BLOCK_K // GROUP
-        q = _to_float(_codes(q_ptr, rows, k0, K, BITS, R, BLOCK_K, WORDS), BITS, FAST_CVT)
-        sc, mn = _group_params(s_ptr, mn_ptr, rows, k0, K, GROUP, GPI, HAS_MINS)
-        w = tl.reshape(q, (R, GPI, GROUP)) * sc[:, :, None]
-        if HAS_MINS:
-            w += mn[:, :, None]
-        return tl.reshape(w, (R, BLOCK_K))
+        q = _codes_f32(_load_codes(q_ptr, rows, k0, K, BITS, BLOCK_K, WORDS), BITS, R, BLOCK_K, WORDS, CVT)
+        sc, mn = _load_groups(s_ptr, mn_ptr, rows, k0, K, GROUP, BLOCK_K // GROUP, HAS_MINS)
+        return _apply_groups(q, sc, mn, BITS, GROUP, HAS_MINS, CVT)
 
     @triton.jit
     def _epilogue(acc, n, m, mask, b_ptr, r_ptr, y_ptr, N, stride_rm, HAS_BIAS: tl.constexpr,
@@ -268,7 +343,8 @@ if HAVE_TRITON:
                        HAS_MINS: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr,
                        BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
                        PARTIAL: tl.constexpr, USE_DOT: tl.constexpr, GROUP_SCALE: tl.constexpr,
-                       WORDS: tl.constexpr, FAST_CVT: tl.constexpr, DOT_PREC: tl.constexpr):
+                       WORDS: tl.constexpr, CVT: tl.constexpr, PREFETCH: tl.constexpr,
+                       DOT_PREC: tl.constexpr):
         """Program (n block, K split, m block): acc[n, m] = sum over the split's K of W[n, k] x[m, k]."""
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
@@ -280,41 +356,68 @@ if HAVE_TRITON:
         xrow = tl.minimum(m, M - 1).to(tl.int64) * stride_xm  # the stores mask them out
         if USE_DOT:
             acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
-        else:
-            acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        k_lo = pid_k * split_len
+        elif GROUP_SCALE:  # CUDA cores (BLOCK_M == 1): per-group partials, summed after the loop
+            acc = tl.zeros([BLOCK_N, GPI], tl.float32)
+        else:  # CUDA cores (BLOCK_M == 1): per-element partials, summed after the loop
+            acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+        k_lo = tl.multiple_of(pid_k * split_len, BLOCK_K)
+        k_last = tl.multiple_of(k_lo + split_len - BLOCK_K, BLOCK_K)
+        x1 = x_ptr + tl.minimum(pid_m, M - 1).to(tl.int64) * stride_xm  # the CUDA-core path's one row
+        if PREFETCH:  # registers hold the next iteration's loads while this one computes
+            raw = _load_codes(q_ptr, rows, k_lo, K, BITS, BLOCK_K, WORDS)
+            sc, mn = _load_groups(s_ptr, mn_ptr, rows, k_lo, K, GROUP, GPI, HAS_MINS)
+            if not USE_DOT:
+                xr = tl.load(x1 + k_lo + tl.arange(0, BLOCK_K))
         for k0 in range(k_lo, k_lo + split_len, BLOCK_K):
+            k0 = tl.multiple_of(k0, BLOCK_K)  # aligned: vector loads of codes and x
             kk = k0 + tl.arange(0, BLOCK_K)
-            if GROUP_SCALE:
-                q = _to_float(_codes(q_ptr, rows, k0, K, BITS, BLOCK_N, BLOCK_K, WORDS), BITS, FAST_CVT)
-                sc, mn = _group_params(s_ptr, mn_ptr, rows, k0, K, GROUP, GPI, HAS_MINS)  # [BN, GPI]
+            if PREFETCH:
+                raw_c, sc_c, mn_c = raw, sc, mn
+                k_next = tl.multiple_of(tl.minimum(k0 + BLOCK_K, k_last), BLOCK_K)  # the last re-reads itself
+                raw = _load_codes(q_ptr, rows, k_next, K, BITS, BLOCK_K, WORDS)
+                sc, mn = _load_groups(s_ptr, mn_ptr, rows, k_next, K, GROUP, GPI, HAS_MINS)
+                if not USE_DOT:
+                    xr_c = xr
+                    xr = tl.load(x1 + k_next + tl.arange(0, BLOCK_K))
             else:
-                w = _dequant(q_ptr, s_ptr, mn_ptr, rows, k0, K, BITS, GROUP, HAS_MINS, BLOCK_N, BLOCK_K,
-                             WORDS, FAST_CVT)  # [BN, BK] fp32
+                raw_c = _load_codes(q_ptr, rows, k0, K, BITS, BLOCK_K, WORDS)
+                sc_c, mn_c = _load_groups(s_ptr, mn_ptr, rows, k0, K, GROUP, GPI, HAS_MINS)
+                if not USE_DOT:
+                    xr_c = tl.load(x1 + kk)
+            q = _codes_f32(raw_c, BITS, BLOCK_N, BLOCK_K, WORDS, CVT)  # [BN, BK]
+            if not GROUP_SCALE:
+                w = _apply_groups(q, sc_c, mn_c, BITS, GROUP, HAS_MINS, CVT)  # [BN, BK] fp32
             if USE_DOT:
                 xt = tl.load(x_ptr + xrow[None, :] + kk[:, None])  # x^T [BK, BM]
                 if GROUP_SCALE:  # one [BN, G] x [G, BM] product per group, then scale it
                     q3 = tl.permute(tl.reshape(q, (BLOCK_N, GPI, GROUP)), (1, 0, 2)).to(xt.dtype)
                     x3 = tl.reshape(xt, (GPI, GROUP, BLOCK_M))
-                    part = tl.dot(q3, x3, input_precision=DOT_PREC) * tl.trans(sc)[:, :, None]
+                    part = tl.dot(q3, x3, input_precision=DOT_PREC) * tl.trans(sc_c.to(tl.float32))[:, :, None]
                     if HAS_MINS:
-                        part += tl.trans(mn)[:, :, None] * tl.sum(x3.to(tl.float32), axis=1)[:, None, :]
+                        xs = tl.sum(x3.to(tl.float32), axis=1)  # [GPI, BM]
+                        part += tl.trans(mn_c.to(tl.float32))[:, :, None] * xs[:, None, :]
                     acc += tl.sum(part, axis=0)
                 else:
                     acc = tl.dot(w.to(xt.dtype), xt, acc, input_precision=DOT_PREC)
             else:
-                xr = tl.load(x_ptr + xrow[:, None] + kk[None, :]).to(tl.float32)  # [BM, BK]
+                xf = xr_c.to(tl.float32)  # [BK]
                 if GROUP_SCALE:
-                    x4 = tl.reshape(xr, (BLOCK_M, 1, GPI, GROUP))
-                    dots = tl.sum(tl.reshape(q, (1, BLOCK_N, GPI, GROUP)) * x4, axis=3)  # [BM, BN, GPI]
-                    part = dots * sc[None, :, :]
-                    if HAS_MINS:
-                        part += mn[None, :, :] * tl.sum(x4, axis=3)
-                    acc += tl.sum(part, axis=2)
+                    x2 = tl.reshape(xf, (GPI, GROUP))
+                    part = tl.sum(tl.reshape(q, (BLOCK_N, GPI, GROUP)) * x2[None, :, :], axis=2)  # [BN, GPI]
+                    scf = sc_c.to(tl.float32)
+                    if CVT == 2:  # part = sum x (1 + u / 2^B): sum x c s = 2^B s part - (2^B + bias) s sum x
+                        unit: tl.constexpr = 2.0 ** BITS
+                        bias: tl.constexpr = 0.0 if BITS == 4 else 128.0
+                        mnf = mn_c.to(tl.float32) if HAS_MINS else 0.0
+                        acc += part * (scf * unit) + (mnf - scf * (unit + bias)) * tl.sum(x2, axis=1)[None, :]
+                    elif HAS_MINS:
+                        acc += part * scf + mn_c.to(tl.float32) * tl.sum(x2, axis=1)[None, :]
+                    else:
+                        acc += part * scf
                 else:
-                    acc += tl.sum(w[None, :, :] * xr[:, None, :], axis=2)
+                    acc += w * xf[None, :]  # [BN, BK]
         if not USE_DOT:
-            acc = tl.trans(acc)  # -> [BN, BM]
+            acc = tl.sum(acc, axis=1)[:, None]  # -> [BN, 1]
         mask = (n < N)[:, None] & (m < M)[None, :]
         if PARTIAL:
             tl.store(p_ptr + (pid_k * M + m[None, :]).to(tl.int64) * N + n[:, None], acc, mask=mask)
@@ -338,7 +441,7 @@ if HAVE_TRITON:
                      BITS: tl.constexpr, GROUP: tl.constexpr, HAS_MINS: tl.constexpr, HAS_BIAS: tl.constexpr,
                      HAS_RES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                      BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, WORDS: tl.constexpr,
-                     FAST_CVT: tl.constexpr, DOT_PREC: tl.constexpr):
+                     CVT: tl.constexpr, DOT_PREC: tl.constexpr):
         """Program (M tile, N tile), GROUP_M M tiles walked per N tile: y tile = x tile @ dequant(W tile)^T."""
         pid = tl.program_id(0)
         tiles_m = tl.cdiv(M, BLOCK_M)
@@ -356,7 +459,7 @@ if HAVE_TRITON:
         for k0 in range(0, K, BLOCK_K):
             x = tl.load(x_ptr + xrow[:, None] + (k0 + tl.arange(0, BLOCK_K))[None, :])  # [BM, BK]
             w = _dequant(q_ptr, s_ptr, mn_ptr, rows, k0, K, BITS, GROUP, HAS_MINS, BLOCK_N, BLOCK_K, WORDS,
-                         FAST_CVT)  # [BN, BK]
+                         CVT)  # [BN, BK]
             acc = tl.dot(x, tl.trans(w.to(x.dtype)), acc, input_precision=DOT_PREC)
         mask = (m < M)[:, None] & (n < N)[None, :]
         _epilogue(acc, n[None, :], m[:, None], mask, b_ptr, r_ptr, y_ptr, N, stride_rm, HAS_BIAS, HAS_RES)
@@ -364,13 +467,13 @@ if HAVE_TRITON:
     @triton.jit
     def _dequant_kernel(q_ptr, s_ptr, mn_ptr, out_ptr, row0, rows_out, N, K, BITS: tl.constexpr,
                         GROUP: tl.constexpr, HAS_MINS: tl.constexpr, BLOCK_N: tl.constexpr,
-                        BLOCK_K: tl.constexpr, FAST_CVT: tl.constexpr):
+                        BLOCK_K: tl.constexpr, CVT: tl.constexpr):
         """Program (n block, k block): out[r, k] = W[row0 + r, k] for r < rows_out, in out's dtype."""
         r = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         k0 = tl.program_id(1) * BLOCK_K
         rows = tl.minimum(row0 + r, N - 1).to(tl.int64)
         w = _dequant(q_ptr, s_ptr, mn_ptr, rows, k0, K, BITS, GROUP, HAS_MINS, BLOCK_N, BLOCK_K, False,
-                     FAST_CVT)
+                     CVT)
         dst = out_ptr + r[:, None].to(tl.int64) * K + k0 + tl.arange(0, BLOCK_K)[None, :]
         tl.store(dst, w.to(out_ptr.dtype.element_ty), mask=(r < rows_out)[:, None])
 
@@ -441,7 +544,7 @@ def _operands(x: torch.Tensor, w: QuantWeight, y: torch.Tensor, bias: torch.Tens
 
 
 def skinny_block_m(m: int, use_dot: bool) -> int:
-    """Rows of x per skinny program: the dot pads to >= 16; the CUDA-core path keeps <= 4."""
+    """Rows of x per skinny program: the dot pads to >= 16; the CUDA-core path takes one row."""
     if use_dot:
         return min(max(MIN_DOT, _pow2(m)), SKINNY_MAX_M)
     return min(_pow2(m), MAX_FMA_BLOCK_M)
@@ -454,6 +557,9 @@ def wq_skinny(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None = None,
     (mrows, n), k = y.shape, w.shape[1]
     if mrows == 0:
         return y
+    if cfg.cvt == "unit" and cfg.use_dot and cfg.group_scale:
+        raise ValueError("wq_skinny: cvt='unit' codes (1 + u / 2^bits) are not exact in bf16: not with use_dot "
+                         "and group_scale")
     block_k = fit_block_k(cfg.block_k, k, w.group)
     block_m = skinny_block_m(mrows, cfg.use_dot)
     split = cfg.split_k or choose_split_k(mrows, n, k, w.bits, cfg.block_n, block_m, block_k, _sm_count(x.device))
@@ -465,8 +571,8 @@ def wq_skinny(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None = None,
     grid = (triton.cdiv(n, cfg.block_n), split, triton.cdiv(mrows, block_m))
     _skinny_kernel[grid](x, codes, w.scales, mins, b, r, y, part, mrows, n, k, k // split, x.stride(0), stride_rm,
                          BLOCK_N=cfg.block_n, BLOCK_M=block_m, BLOCK_K=block_k, PARTIAL=split > 1,
-                         USE_DOT=cfg.use_dot, GROUP_SCALE=cfg.group_scale, WORDS=words, FAST_CVT=cfg.fast_cvt,
-                         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **const)
+                         USE_DOT=cfg.use_dot, GROUP_SCALE=cfg.group_scale, WORDS=words, CVT=CVT_MODES[cfg.cvt],
+                         PREFETCH=cfg.prefetch, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **const)
     if split > 1:
         _reduce_kernel[(mrows, triton.cdiv(n, REDUCE_BLOCK))](
             part, b, r, y, mrows, n, split, stride_rm, HAS_BIAS=bias is not None, HAS_RES=residual is not None,
@@ -486,7 +592,7 @@ def wq_gemm(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None = None,
     grid = (triton.cdiv(mrows, cfg.block_m) * triton.cdiv(n, cfg.block_n),)
     _gemm_kernel[grid](x, codes, w.scales, mins, b, r, y, mrows, n, k, x.stride(0), stride_rm,
                        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=fit_block_k(cfg.block_k, k, w.group),
-                       GROUP_M=cfg.group_m, WORDS=words, FAST_CVT=cfg.fast_cvt, num_warps=cfg.num_warps,
+                       GROUP_M=cfg.group_m, WORDS=words, CVT=CVT_MODES[cfg.cvt], num_warps=cfg.num_warps,
                        num_stages=cfg.num_stages, **const)
     return y
 
@@ -504,7 +610,7 @@ def wq_dequantize(w: QuantWeight, dtype: torch.dtype, row0: int = 0, rows: int |
     bk = fit_block_k(bk, k, w.group)
     _dequant_kernel[(triton.cdiv(rows, bn), k // bk)](
         w.qweight, w.scales, w.mins if w.mins is not None else w.scales, out, row0, rows, n, k, BITS=w.bits,
-        GROUP=w.group, HAS_MINS=w.mins is not None, BLOCK_N=bn, BLOCK_K=bk, FAST_CVT=True, num_warps=warps)
+        GROUP=w.group, HAS_MINS=w.mins is not None, BLOCK_N=bn, BLOCK_K=bk, CVT=CVT_MODES["unit"], num_warps=warps)
     return out
 
 

@@ -6,6 +6,9 @@ CPU taking the reference path. The kernels are checked in test_wq_matmul_interp.
 
 from __future__ import annotations
 
+import dataclasses
+import os
+
 import pytest
 import torch
 
@@ -123,3 +126,66 @@ def test_split_k_heuristic() -> None:
     assert wq.choose_split_k(32, 4096, 4096, 4, 64, 32, 256, sms) == 1
     assert wq.fit_block_k(256, 4096, 32) == 256
     assert wq.fit_block_k(256, 96, 32) == 32 and wq.fit_block_k(64, 4096, 128) == 128
+
+
+class _Capture:
+    """Stands in for a Triton kernel: `kernel[grid](*args, **kw)` records the launch instead of running it."""
+
+    def __init__(self, kernel: object, launches: list) -> None:
+        self.kernel, self.launches = kernel, launches
+
+    def __getitem__(self, grid: tuple):  # noqa: ANN204
+        return lambda *args, **kw: self.launches.append((self.kernel, args, kw))
+
+
+# torch dtype -> Triton signature type of a pointer argument
+_SIG = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32", torch.int8: "*i8",
+        torch.uint8: "*u8", torch.int32: "*i32", torch.int64: "*i64"}
+
+
+def _compile_for_h200(kernel: object, args: tuple, kw: dict) -> object:
+    """Compile one recorded launch for sm_90 as the JIT would specialise it (16-aligned pointers and ints)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    opts = {k: kw.pop(k) for k in ("num_warps", "num_stages") if k in kw}
+    names = kernel.arg_names
+    sig, attrs = {}, {}
+    for i, (name, a) in enumerate(zip(names, args)):
+        if isinstance(a, torch.Tensor):
+            sig[name], attrs[(i,)] = _SIG[a.dtype], [["tt.divisibility", 16]]
+        else:
+            sig[name] = "i32"
+            if a % 16 == 0 and name not in kernel.do_not_specialize:
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    sig.update({name: "constexpr" for name in kw})
+    return triton.compile(ASTSource(kernel, sig, constexprs=kw, attrs=attrs), target=GPUTarget("cuda", 90, 32),
+                          options=opts)
+
+
+@pytest.mark.parametrize("bits,group,mins", [(4, 32, True), (8, 32, False)])
+def test_default_kernels_compile_for_h200(bits: int, group: int, mins: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every default path (decode M = 1 and 32 with split-K, the GEMM, the dequantize kernel) builds
+    for sm_90 on this CPU box (Triton's bundled ptxas): GPU-only compile errors show up here."""
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        pytest.skip("interpreter mode: kernels are Python functions")
+    pytest.importorskip("triton")
+    launches: list = []
+    for name in ("_skinny_kernel", "_reduce_kernel", "_gemm_kernel", "_dequant_kernel"):
+        monkeypatch.setattr(wq, name, _Capture(getattr(wq, name), launches))
+    w = cases.make_weight(512, 4096, bits, group, mins, "cpu", cases.gen("h200", bits))
+    split = dataclasses.replace(wq.FMA_CONFIG, split_k=4)
+    dot = wq.DOT_CONFIG
+    for m, call in ((1, lambda x, w: wq.wq_skinny(x, w, cfg=split)), (32, lambda x, w: wq.wq_skinny(x, w, cfg=dot)),
+                    (300, wq.wq_gemm), (300, wq.wq_dequant_matmul)):
+        call(torch.randn(m, 4096).to(torch.bfloat16), w)
+    assert {k.fn.__name__ for k, _, _ in launches} == {"_skinny_kernel", "_reduce_kernel", "_gemm_kernel",
+                                                       "_dequant_kernel"}
+    for kernel, args, kw in launches:
+        try:
+            ptx = _compile_for_h200(kernel, args, dict(kw)).asm["ptx"]
+        except FileNotFoundError as e:  # a Triton build without its bundled ptxas
+            pytest.skip(f"no ptxas: {e}")
+        if kernel.fn.__name__ in ("_gemm_kernel",) or kw.get("USE_DOT"):
+            assert "wgmma" in ptx or "mma.sync" in ptx

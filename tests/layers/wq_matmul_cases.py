@@ -9,6 +9,7 @@ first imported) and tests/gpu/test_wq_matmul.py (CUDA, Qwen3-8B sizes).
 from __future__ import annotations
 
 import zlib
+from dataclasses import replace
 from collections.abc import Callable
 from types import ModuleType
 
@@ -87,22 +88,25 @@ def paths(wq: ModuleType, interpreted: bool) -> dict[str, Callable]:
     else:
         base, gemm = s(), wq.GEMM_CONFIG
     chunk = 16 if interpreted else 1000  # rows of W per dequantized chunk: several chunks per weight
-    dot = s(block_n=base.block_n, block_k=base.block_k, use_dot=True, group_scale=False)
+    tile = dict(block_n=base.block_n, block_k=base.block_k)
+    dot = s(**tile, use_dot=True, group_scale=False)
 
     def sk(cfg):  # noqa: ANN001, ANN202
         return lambda x, w, b, r: wq.wq_skinny(x, w, b, r, cfg)
 
     return {
         "fma": sk(base),
-        "fma_dequant_first": sk(s(block_n=base.block_n, block_k=base.block_k, group_scale=False)),
-        "fma_bytes_cvt": sk(s(block_n=base.block_n, block_k=base.block_k, words=False, fast_cvt=False)),
-        "fma_split2": sk(s(block_n=base.block_n, block_k=base.block_k, split_k=2)),
+        "fma_magic": sk(s(**tile, cvt="magic")),
+        "fma_dequant_first": sk(s(**tile, group_scale=False)),
+        "fma_bytes_cvt": sk(s(**tile, words=False, cvt="cvt")),
+        "fma_split2_no_prefetch": sk(s(**tile, split_k=2, prefetch=False)),
         "dot": sk(dot),
-        "dot_group_scale": sk(s(block_n=base.block_n, block_k=base.block_k, use_dot=True)),
-        "dot_bytes_split2": sk(s(block_n=base.block_n, block_k=base.block_k, use_dot=True, group_scale=False,
-                                 words=False, split_k=2)),
+        "dot_magic": sk(replace(dot, cvt="magic")),
+        "dot_group_scale_no_prefetch": sk(s(**tile, use_dot=True, cvt="magic", prefetch=False)),
+        "dot_bytes_cvt_split2": sk(s(**tile, use_dot=True, group_scale=False, words=False, cvt="cvt", split_k=2)),
         "gemm": lambda x, w, b, r: wq.wq_gemm(x, w, b, r, gemm),
-        "gemm_words": lambda x, w, b, r: wq.wq_gemm(x, w, b, r, gm(**{**gemm.__dict__, "words": True})),
+        "gemm_magic": lambda x, w, b, r: wq.wq_gemm(x, w, b, r, replace(gemm, cvt="magic")),
+        "gemm_words_cvt": lambda x, w, b, r: wq.wq_gemm(x, w, b, r, replace(gemm, words=True, cvt="cvt")),
         "dequant_chunked": lambda x, w, b, r: wq.wq_dequant_matmul(x, w, b, r, max_elems=chunk * w.shape[1]),
     }
 
