@@ -62,7 +62,8 @@ def test_cuda_pool_matches_cpu_pool(name: str) -> None:
             # flip, by one step (an int4 step is 1/7 of its group's range)
             tol = 5e-3 if name in ("k8v4", "int4") else 1e-3
             assert ((a.cpu() - b).norm() / b.norm()) < tol
-            assert (a.cpu() != b).float().mean() < 1e-2
+            if name != "fp8":  # e4m3 codes: a row's fp16 scale on a tie moves every code of the row
+                assert (a.cpu() != b).float().mean() < 1e-2
         elif name == "fp8":  # CPU and GPU e4m3 casts agree on all but rare ties
             assert (a.cpu() != b).float().mean() < 1e-3
         else:
