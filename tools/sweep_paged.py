@@ -1,6 +1,6 @@
 """GPU time of paged_decode per launch-parameter variant (CUDA-graph replay: no launch overhead).
 
-    python3 tools/sweep_paged.py
+    python3 tools/sweep_paged.py [--default | --few]
 
 For each (warps, stages, tile bytes) variant and each format: B=1 at 32K and B=32 at 8K
 context (Hkv 8, Hq 32, D 128, scattered 16-token pages), 20 calls captured in one graph and
@@ -68,6 +68,8 @@ def main() -> None:
     variants = itertools.product((4, 8), (2, 3), (8192, 16384, 32768), (4,))
     if "--default" in sys.argv:
         variants = [base]
+    elif "--few" in sys.argv:  # the default and longer tiles (what the code formats may want)
+        variants = [base, (4, 2, 32768, 4), (8, 2, 32768, 4), (8, 3, 32768, 4)]
     for warps, stages, tile, pps in variants:
         pa.NUM_WARPS, pa.NUM_STAGES, pa.TILE_BYTES, pa.PROGRAMS_PER_SM = warps, stages, tile, pps
         row = []

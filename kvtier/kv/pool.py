@@ -16,7 +16,7 @@ from collections.abc import Sequence
 
 import torch
 
-from kvtier.kernels import kv_quant
+from kvtier.kernels import kv_quant, kv_transform
 from kvtier.kv.formats import KVFormat
 
 # K smoothing: a channel's scale is at least this fraction of its head's median spread.
@@ -131,22 +131,19 @@ class PagePool:
         return (self.fmt.rotate(k) if self.fmt.rotate_k else k), (self.fmt.rotate(v) if self.fmt.rotate_v else v)
 
     def _fused_store(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
-        """Quantized formats on CUDA: smooth + rotate + encode + scatter in one kernel per K and V
-        (kernels/kv_quant.py transform_store); False where it does not apply (plain formats
-        keep their copy kernel, odd head dims the reference path)."""
+        """Quantized formats on CUDA: smooth + rotate + encode + scatter of K and V in one launch
+        (kernels/kv_transform.py); False where it does not apply (plain formats keep their copy
+        kernel, odd head dims the reference path)."""
         fmt = self.fmt
-        if not fmt.quantized or not kv_quant.transform_supported(k):
+        if not fmt.quantized or not kv_transform.transform_supported(k):
             return False
-        st = self.layers[layer]
         smooth = None
         if fmt.smooth_k or self.k_channel_scale[layer] is not None:
             shift, scale = self.k_shift[layer], self.k_channel_scale[layer]
             if shift is None or scale is None:
                 return False
             smooth = (shift, scale)
-        for kv, codec, x, rotated, sm in (("k", fmt.k_codec, k, fmt.rotate_k, smooth),
-                                          ("v", fmt.v_codec, v, fmt.rotate_v, None)):
-            kv_quant.transform_store(codec, x, slots, st[kv], st.get(kv + "_scale"), rotated, sm)
+        kv_transform.transform_store(fmt, self.layers[layer], slots, k, v, smooth)
         return True
 
     def _store(self, st: dict[str, torch.Tensor], slots: torch.Tensor, k: torch.Tensor,
@@ -320,8 +317,8 @@ class PagePool:
         scale = self.k_channel_scale[layer]
         if scale is None and not self.fmt.rotate_k:
             return q
-        if q.is_cuda and kv_quant.transform_supported(q):  # one kernel
-            return kv_quant.transform_rows(q, self.fmt.rotate_k, scale)
+        if q.is_cuda and kv_transform.transform_supported(q):  # one kernel
+            return kv_transform.transform_rows(self.fmt, q, self.fmt.rotate_k, scale)
         qf = q.float()
         if scale is not None:  # [Hkv, D]: query head h reads kv head h // (Hq / Hkv)
             qf = (qf.unflatten(1, (self.kv_heads, -1)) * scale.float()[:, None, :]).flatten(1, 2)
@@ -331,8 +328,8 @@ class PagePool:
         """Attention output over native V -> over V (o: [..., D])."""
         if not self.fmt.rotate_v:
             return o
-        if o.is_cuda and o.dim() == 3 and kv_quant.transform_supported(o):
-            return kv_quant.transform_rows(o, True)
+        if o.is_cuda and o.dim() == 3 and kv_transform.transform_supported(o):
+            return kv_transform.transform_rows(self.fmt, o, True)
         return self.fmt.rotate(o).to(o.dtype)
 
     def bytes_per_page(self) -> int:

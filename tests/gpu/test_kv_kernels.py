@@ -33,9 +33,10 @@ def test_kernels_match_reference_cuda(name: str, dtype: torch.dtype, head_dim: i
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_fused_transform_store_matches_pool_reference_cuda(name: str, dtype: torch.dtype, head_dim: int) -> None:
     """smooth + rotate + encode in one kernel (and native_q / native_out kernels) == the reference."""
-    import kvtier.kernels.kv_quant as kq
-    kernel_cases.check_fused_store(kq, name, heads=8, page_size=16, head_dim=head_dim, num_pages=64,
-                                   n_rows=333, device="cuda", dtype=dtype, gqa=4)
+    import kvtier.kernels.kv_transform as kt
+    for rows in (333, 3):  # tiled programs (prefill), one row a program (decode)
+        kernel_cases.check_fused_store(kt, name, heads=8, page_size=16, head_dim=head_dim, num_pages=64,
+                                       n_rows=rows, device="cuda", dtype=dtype, gqa=4)
 
 
 @pytest.mark.parametrize("name", ["fp32", "bf16", "fp16"])

@@ -90,9 +90,9 @@ def check_plain_store(kq: ModuleType, name: str, heads: int, page_size: int, hea
         assert torch.equal(ref[key], got[key]), f"{name}: plain store of {key} differs"
 
 
-def check_fused_store(kq: ModuleType, name: str, heads: int, page_size: int, head_dim: int, num_pages: int,
+def check_fused_store(kt: ModuleType, name: str, heads: int, page_size: int, head_dim: int, num_pages: int,
                       n_rows: int, device: str, dtype: torch.dtype, gqa: int = 4) -> None:
-    """transform_store (smooth + rotate + encode + scatter in one kernel) == the pool's reference
+    """kv_transform.transform_store (smooth + rotate + encode + scatter in one launch) == the pool's reference
     path (PagePool._stored_domain, then the codecs), and transform_rows == native_q / native_out.
 
     The kernel's rotation (tf32x3 dot) and the reference (fp32 matmul) round differently in the
@@ -116,8 +116,7 @@ def check_fused_store(kq: ModuleType, name: str, heads: int, page_size: int, hea
             ref[kv + suffix][slots // page_size, :, slots % page_size] = part
     got = fmt.allocate(num_pages, heads, page_size, head_dim, dev)
     smooth = (pool.k_shift[0].to(dev), pool.k_channel_scale[0].to(dev))
-    for kv, codec, x, sm in (("k", fmt.k_codec, k, smooth), ("v", fmt.v_codec, v, None)):
-        kq.transform_store(codec, x.to(dev), slots.to(dev), got[kv], got.get(kv + "_scale"), True, sm)
+    kt.transform_store(fmt, got, slots.to(dev), k.to(dev), v.to(dev), smooth)
     for kv, codec in (("k", fmt.k_codec), ("v", fmt.v_codec)):
         part = {sfx: ref[kv + sfx] for sfx in codec.parts(head_dim)}
         want = codec.decode(part, torch.float32)
@@ -136,12 +135,12 @@ def check_fused_store(kq: ModuleType, name: str, heads: int, page_size: int, hea
         assert same >= 0.97, f"{name} {kv}: only {float(same):.3f} of the codes equal the reference"
     q = torch.randn(n_rows, heads * gqa, head_dim, generator=g).to(dtype)
     want_q = pool.native_q(0, q)
-    have_q = kq.transform_rows(q.to(dev), True, pool.k_channel_scale[0].to(dev)).cpu()
+    have_q = kt.transform_rows(fmt, q.to(dev), True, pool.k_channel_scale[0].to(dev)).cpu()
     assert have_q.dtype == q.dtype
     assert torch.allclose(want_q.float(), have_q.float(), rtol=2e-2 if dtype != torch.float32 else 1e-4,
                           atol=1e-3), f"{name}: native_q kernel differs"
     want_o = pool.native_out(q)
-    have_o = kq.transform_rows(q.to(dev), True).cpu()
+    have_o = kt.transform_rows(fmt, q.to(dev), True).cpu()
     assert torch.allclose(want_o.float(), have_o.float(), rtol=2e-2 if dtype != torch.float32 else 1e-4,
                           atol=1e-3), f"{name}: native_out kernel differs"
 
@@ -165,12 +164,14 @@ def main() -> None:
                               cast=False)
         except AssertionError as e:
             failures.append(f"plain {name}: {e}")
-    for name, hd in [(n, 16) for n in QUANT_FORMATS] + [("k8v4", 64)]:  # 64: several rotation chunks
+    import kvtier.kernels.kv_transform as kt
+    # 19 rows: the tiled (tensor-core) programs; 5: one row a program; head_dim 64: several chunks
+    for name, hd, rows in [(n, 16, r) for n in QUANT_FORMATS for r in (19, 5)] + [("k8v4", 64, 19), ("int8", 64, 3)]:
         try:
-            check_fused_store(kq, name, heads=2, page_size=4, head_dim=hd, num_pages=5, n_rows=19, device="cpu",
+            check_fused_store(kt, name, heads=2, page_size=4, head_dim=hd, num_pages=8, n_rows=rows, device="cpu",
                               dtype=torch.float32, gqa=2)
         except AssertionError as e:
-            failures.append(f"fused {name} head_dim={hd}: {e}")
+            failures.append(f"fused {name} head_dim={hd} rows={rows}: {e}")
     print("\n".join(failures) if failures else "ALL OK")
 
 

@@ -1,0 +1,240 @@
+"""Triton kernels: the transforms of the quantized KV formats, fused with the store.
+
+A quantized pool (kv/pool.py) stores K as R ((k - shift) / channel_scale) and V as R v
+(R: formats.hadamard, K smoothing: PagePool.calibrate), encoded by the format's codecs;
+attention runs in that domain with q as R (channel_scale * q) and maps its output back
+with R. Done op by op that is ~7 small kernels a layer; here it is:
+
+    transform_store   new K and V rows -> smooth + rotate + encode + scatter, ONE launch
+                      (grid axis 2: 0 = K, 1 = V; each with its own codec)
+    transform_rows    q -> R (channel_scale * q) (native_q), or o -> R o (native_out)
+
+Two shapes of program, chosen by the row count (shapes only, so CUDA graphs capture one):
+
+    T <= ROW_MAX_T (decode)  one row per program, R times the row as a multiply-sum over
+                             R loaded from global memory (fp32, L2-resident): a short
+                             dependency chain; a dot would pad the row to 16.
+    T > ROW_MAX_T (prefill)  TILE_T rows per program, the rotation on tensor cores: R's signs
+                             (+-1, the parity of popcount(i & j): Sylvester's Hadamard) built
+                             in registers BK rows at a time, tf32x3 dots (about fp32
+                             accuracy), then times 1 / sqrt(D).
+
+Both follow the reference's math (fp32, IEEE division for the smoothing and the codes'
+scales, formats.round_half_up) up to the rotation's last-bit rounding, so a value on a
+rounding edge may take the neighbouring code (tests/kv/kernel_cases.py check_fused_store).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvtier.kv.formats import (FP8_E4M3_MAX, INT4_BIAS, INT4_MAX, INT8_MAX, MIN_SCALE, Codec, Fp8Codec,
+                               Int4Codec, Int8Codec, KVFormat, PlainCodec)
+
+try:
+    import triton
+    import triton.language as tl
+    HAVE_TRITON = True
+except ImportError:  # CPU-only installs: the pool's reference path is used
+    HAVE_TRITON = False
+
+# Rows at most that take the one-row-per-program kernels (a decode step brings one a sequence).
+ROW_MAX_T = 16
+# Rows per program of the tiled kernels: tl.dot needs >= 16.
+TILE_T = 16
+# Warps of a one-row program: its [32, D] slices of R spread over 256 threads (sm_90 offline:
+# 720 SASS instructions for native_q at D = 128 against 1,168 with 4 warps; the tiled
+# kernels' 4 warps hold a 16-row mma tile).
+ROW_WARPS = 8
+TILE_WARPS = 4
+# Codec modes (tl.constexpr values in the kernels).
+_MODE = {PlainCodec: 0, Int8Codec: 1, Fp8Codec: 2, Int4Codec: 3}
+_QMAX = {PlainCodec: 1.0, Int8Codec: float(INT8_MAX), Fp8Codec: FP8_E4M3_MAX, Int4Codec: float(INT4_MAX)}
+
+if HAVE_TRITON:
+    # Columns of x (rows of R) per step of the rotation: bounds registers at any head_dim.
+    BK = tl.constexpr(32)
+    SMOOTH_NONE = tl.constexpr(0)
+    SMOOTH_K = tl.constexpr(1)  # (x - shift[h]) / channel_scale[h]: K as the pool stores it
+    SMOOTH_Q = tl.constexpr(2)  # x * channel_scale[h // G]: q in the stored K domain
+    MODE_PLAIN = tl.constexpr(0)
+    MODE_INT8 = tl.constexpr(1)
+    MODE_FP8 = tl.constexpr(2)
+    MODE_INT4 = tl.constexpr(3)
+
+    @triton.jit
+    def _smooth(x, kk, ph, shift_ptr, cs_ptr, D: tl.constexpr, SMOOTH: tl.constexpr):
+        """Columns kk of rows x: (x - shift) / channel_scale (K) or x * channel_scale (q)."""
+        if SMOOTH == SMOOTH_K:
+            sh = tl.load(shift_ptr + ph * D + kk).to(tl.float32)
+            cs = tl.load(cs_ptr + ph * D + kk).to(tl.float32)
+            x = tl.math.div_rn(x - sh[None, :], cs[None, :])
+        elif SMOOTH == SMOOTH_Q:
+            cs = tl.load(cs_ptr + ph * D + kk).to(tl.float32)
+            x = x * cs[None, :]
+        return x
+
+    @triton.jit
+    def _transformed(x_ptr, t, tm, stride_xt, x_off, ph, shift_ptr, cs_ptr, rot_ptr, D: tl.constexpr,
+                     BLOCK_T: tl.constexpr, SMOOTH: tl.constexpr, ROTATE: tl.constexpr,
+                     INV_SQRT_D: tl.constexpr):
+        """Rows t [BLOCK_T] of one head (x_ptr + t * stride_xt + x_off + d) -> smoothed (param row
+        ph) and rotated rows [BLOCK_T, D] fp32 (see the module docstring for the two shapes)."""
+        if ROTATE:
+            CH: tl.constexpr = BK if BK < D else D
+            acc = tl.zeros([BLOCK_T, D], tl.float32)
+            j = tl.arange(0, D)
+            for k0 in tl.static_range(0, D, CH):
+                kk = k0 + tl.arange(0, CH)
+                x = tl.load(x_ptr + t[:, None] * stride_xt + x_off + kk[None, :], mask=tm,
+                            other=0.0).to(tl.float32)
+                x = _smooth(x, kk, ph, shift_ptr, cs_ptr, D, SMOOTH)
+                if BLOCK_T == 1:  # one row: x @ R[kk] as a multiply-sum over R's rows from L2
+                    r = tl.load(rot_ptr + kk[:, None] * D + j[None, :])  # [CH, D] fp32
+                    acc += tl.sum(x[:, :, None] * r[None, :, :], axis=1)
+                else:  # tensor cores over R's exact signs, scaled once at the end
+                    v = kk[:, None] & j[None, :]
+                    v = v ^ (v >> 8)
+                    v = v ^ (v >> 4)
+                    v = v ^ (v >> 2)
+                    v = v ^ (v >> 1)
+                    sign = 1.0 - 2.0 * (v & 1).to(tl.float32)  # [CH, D]
+                    acc += tl.dot(x, sign, input_precision="tf32x3")
+            if BLOCK_T == 1:
+                return acc
+            return acc * INV_SQRT_D
+        d = tl.arange(0, D)
+        x = tl.load(x_ptr + t[:, None] * stride_xt + x_off + d[None, :], mask=tm, other=0.0).to(tl.float32)
+        return _smooth(x, d, ph, shift_ptr, cs_ptr, D, SMOOTH)
+
+    @triton.jit(do_not_specialize=["T", "H", "G"])
+    def _transform_rows_kernel(x_ptr, out_ptr, cs_ptr, rot_ptr, stride_xt, stride_xh, stride_ot, stride_oh,
+                               T, H, G, D: tl.constexpr, BLOCK_T: tl.constexpr, SMOOTH: tl.constexpr,
+                               ROTATE: tl.constexpr, INV_SQRT_D: tl.constexpr):
+        """BLOCK_T rows of head h: out = R (x * channel_scale[h // G]) (or R x), in out's dtype."""
+        h = tl.program_id(1)
+        t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+        tm = (t < T)[:, None]
+        y = _transformed(x_ptr, t, tm, stride_xt, h * stride_xh, h // G, cs_ptr, cs_ptr, rot_ptr, D, BLOCK_T,
+                         SMOOTH, ROTATE, INV_SQRT_D)
+        d = tl.arange(0, D)[None, :]
+        tl.store(out_ptr + t[:, None] * stride_ot + h * stride_oh + d, y.to(out_ptr.dtype.element_ty), mask=tm)
+
+    @triton.jit
+    def _encode_rows(x, row, tmask, data_ptr, scale_ptr, D: tl.constexpr, BLOCK_T: tl.constexpr,
+                     MODE: tl.constexpr, GROUP: tl.constexpr, QMAX: tl.constexpr, BIAS: tl.constexpr,
+                     MIN_S: tl.constexpr):
+        """Rows x [BLOCK_T, D] fp32 -> codes (+ fp16 scales) at page rows `row` [BLOCK_T]: the codecs
+        of kv/formats.py (fp16 scale of amax / QMAX, IEEE division, floor(y + 0.5))."""
+        tm = tmask[:, None]
+        d = tl.arange(0, D)
+        if MODE == MODE_INT4:
+            NG: tl.constexpr = D // GROUP
+            x3 = tl.reshape(x, (BLOCK_T, NG, GROUP))
+            amax = tl.max(tl.abs(x3), axis=2)  # [BLOCK_T, NG]
+            s = tl.maximum(amax / QMAX, MIN_S).to(tl.float16)
+            y = tl.math.div_rn(x3, s.to(tl.float32)[:, :, None])
+            q = tl.minimum(tl.maximum(tl.floor(y + 0.5), -QMAX), QMAX) + BIAS
+            lo, hi = tl.split(tl.reshape(q, (BLOCK_T, D // 2, 2)))
+            byte = lo.to(tl.uint8) | (hi.to(tl.uint8) << 4)
+            w = tl.arange(0, D // 2)
+            tl.store(data_ptr + row[:, None] * (D // 2) + w[None, :], byte, mask=tm)
+            tl.store(scale_ptr + row[:, None] * NG + tl.arange(0, NG)[None, :], s, mask=tm)
+        elif MODE == MODE_PLAIN:
+            tl.store(data_ptr + row[:, None] * D + d[None, :], x.to(data_ptr.dtype.element_ty), mask=tm)
+        else:
+            amax = tl.max(tl.abs(x), axis=1)
+            s = tl.maximum(amax / QMAX, MIN_S).to(tl.float16)
+            y = tl.math.div_rn(x, s.to(tl.float32)[:, None])
+            if MODE == MODE_FP8:
+                y = tl.minimum(tl.maximum(y, -QMAX), QMAX)
+                q = y.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+            else:
+                q = tl.minimum(tl.maximum(tl.floor(y + 0.5), -QMAX), QMAX).to(tl.int8)
+            tl.store(data_ptr + row[:, None] * D + d[None, :], q, mask=tm)
+            tl.store(scale_ptr + row, s, mask=tmask)
+
+    @triton.jit(do_not_specialize=["T", "H"])
+    def _transform_store_kernel(k_ptr, v_ptr, slot_ptr, kd_ptr, ks_ptr, vd_ptr, vs_ptr, shift_ptr, cs_ptr,
+                                rot_ptr, stride_kt, stride_kh, stride_vt, stride_vh, T, H, S,
+                                D: tl.constexpr, BLOCK_T: tl.constexpr, INV_SQRT_D: tl.constexpr,
+                                K_MODE: tl.constexpr, K_GROUP: tl.constexpr, K_QMAX: tl.constexpr,
+                                K_SMOOTH: tl.constexpr, K_ROTATE: tl.constexpr, V_MODE: tl.constexpr,
+                                V_GROUP: tl.constexpr, V_QMAX: tl.constexpr, V_ROTATE: tl.constexpr,
+                                BIAS: tl.constexpr, MIN_S: tl.constexpr):
+        """BLOCK_T new rows of head h, K (program_id(2) == 0) or V (1): transform, encode, scatter."""
+        h = tl.program_id(1)
+        t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+        tmask = t < T
+        slot = tl.load(slot_ptr + t, mask=tmask, other=0).to(tl.int64)
+        row = ((slot // S) * H + h) * S + slot % S  # [BLOCK_T]
+        if tl.program_id(2) == 0:
+            x = _transformed(k_ptr, t, tmask[:, None], stride_kt, h * stride_kh, h, shift_ptr, cs_ptr, rot_ptr,
+                             D, BLOCK_T, K_SMOOTH, K_ROTATE, INV_SQRT_D)
+            _encode_rows(x, row, tmask, kd_ptr, ks_ptr, D, BLOCK_T, K_MODE, K_GROUP, K_QMAX, BIAS, MIN_S)
+        else:
+            x = _transformed(v_ptr, t, tmask[:, None], stride_vt, h * stride_vh, h, shift_ptr, cs_ptr, rot_ptr,
+                             D, BLOCK_T, SMOOTH_NONE, V_ROTATE, INV_SQRT_D)
+            _encode_rows(x, row, tmask, vd_ptr, vs_ptr, D, BLOCK_T, V_MODE, V_GROUP, V_QMAX, BIAS, MIN_S)
+
+
+def transform_supported(x: torch.Tensor) -> bool:
+    """Whether the kernels take rows x [T, H, D]: Triton, a power-of-two D >= 16 (where
+    formats.hadamard is one Sylvester block, whose signs the tiled kernels build)."""
+    d = x.shape[-1]
+    return HAVE_TRITON and d >= 16 and d & (d - 1) == 0
+
+
+def _shape_args(t: int, d: int, device: torch.device, fmt: KVFormat) -> tuple[tuple[int, int], dict, torch.Tensor]:
+    """(row blocks, constexprs, R) for t rows: one row a program up to ROW_MAX_T, else tiles."""
+    block = 1 if t <= ROW_MAX_T else TILE_T
+    inv = float(torch.tensor(d ** -0.5, dtype=torch.float32))
+    warps = ROW_WARPS if block == 1 else TILE_WARPS
+    return (triton.cdiv(t, block), block), dict(D=d, BLOCK_T=block, INV_SQRT_D=inv, num_warps=warps), \
+        fmt.rotation(d, device)
+
+
+def transform_rows(fmt: KVFormat, x: torch.Tensor, rotate: bool, channel_scale: torch.Tensor | None = None,
+                   out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """x [T, H, D] -> R (x * channel_scale[h // G]) (PagePool.native_q) or R x (native_out) in
+    one launch. channel_scale: [Hkv, D] with H = G * Hkv, or None; R: fmt.rotation(D)."""
+    t, h, d = x.shape
+    out = torch.empty((t, h, d), dtype=out_dtype or x.dtype, device=x.device)
+    if t == 0:
+        return out
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    g = h // channel_scale.shape[0] if channel_scale is not None else 1
+    (blocks, _), args, rot = _shape_args(t, d, x.device, fmt)
+    _transform_rows_kernel[(blocks, h)](x, out, channel_scale if channel_scale is not None else rot, rot,
+                                        x.stride(0), x.stride(1), out.stride(0), out.stride(1), t, h, g,
+                                        SMOOTH=SMOOTH_Q if channel_scale is not None else SMOOTH_NONE,
+                                        ROTATE=rotate, **args)
+    return out
+
+
+def _codec_args(prefix: str, codec: Codec, d: int) -> dict[str, object]:
+    if type(codec) not in _MODE:
+        raise ValueError(f"no fused store for codec {type(codec).__name__}")
+    group = codec.group_for(d) if isinstance(codec, Int4Codec) else 1
+    return {f"{prefix}_MODE": _MODE[type(codec)], f"{prefix}_GROUP": group, f"{prefix}_QMAX": _QMAX[type(codec)]}
+
+
+def transform_store(fmt: KVFormat, st: dict[str, torch.Tensor], slots: torch.Tensor, k: torch.Tensor,
+                    v: torch.Tensor, smooth: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+    """New rows k, v [T, H, D] into one pool layer `st` at slots [T], in one launch: K as
+    R ((k - shift) / channel_scale) (smooth = (shift, channel_scale), each [H, D]; None: k),
+    V as R v (each rotated where the format says so), encoded by the format's codecs."""
+    t, h, d = k.shape
+    if t == 0:
+        return
+    k = k if k.stride(-1) == 1 else k.contiguous()
+    v = v if v.stride(-1) == 1 else v.contiguous()
+    (blocks, _), args, rot = _shape_args(t, d, k.device, fmt)
+    shift, cs = smooth if smooth is not None else (rot, rot)
+    _transform_store_kernel[(blocks, h, 2)](
+        k, v, slots, st["k"], st.get("k_scale", st["k"]), st["v"], st.get("v_scale", st["v"]), shift, cs, rot,
+        k.stride(0), k.stride(1), v.stride(0), v.stride(1), t, h, st["k"].shape[2],
+        K_SMOOTH=SMOOTH_K if smooth is not None else SMOOTH_NONE, K_ROTATE=fmt.rotate_k, V_ROTATE=fmt.rotate_v,
+        BIAS=float(INT4_BIAS), MIN_S=MIN_SCALE, **_codec_args("K", fmt.k_codec, d),
+        **_codec_args("V", fmt.v_codec, d), **args)
