@@ -59,12 +59,12 @@ def test_cuda_pool_matches_cpu_pool(name: str) -> None:
         pool.write(1, slots.to(pool.device), k.to(pool.device), v.to(pool.device))
     ids = torch.arange(32)
     for a, b in zip(gpu.read(1, ids.cuda()), cpu.read(1, ids)):
-        if fmt.rotate_k or fmt.rotate_v:  # CUDA and CPU rotations round differently: rare code ties
-            # flip, by one step (an int4 step is 1/7 of its group's range)
+        if fmt.rotate_k or fmt.rotate_v:  # each pool calibrates its own K smoothing (CUDA and CPU
+            # medians / spreads differ in the last bits) and rotations round differently, so codes
+            # on a rounding edge flip by one step (an int4 step is 1/7 of its group's range); code
+            # equality under shared constants is check_fused_store's
             tol = 5e-3 if name in ("k8v4", "int4") else 1e-3
             assert ((a.cpu() - b).norm() / b.norm()) < tol
-            if name != "fp8":  # e4m3 codes: a row's fp16 scale on a tie moves every code of the row
-                assert (a.cpu() != b).float().mean() < 1e-2
         elif name == "fp8":  # CPU and GPU e4m3 casts agree on all but rare ties
             assert (a.cpu() != b).float().mean() < 1e-3
         else:
