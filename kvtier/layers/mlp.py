@@ -5,15 +5,18 @@ from __future__ import annotations
 import torch
 
 from kvtier.kernels import fused
-from kvtier.layers.linear import FusedLinear, Linear
+from kvtier.layers.qlinear import Scratch, make_linear
+from kvtier.layers.qweight import QuantWeight
 
 
 class GatedMLP(torch.nn.Module):
-    def __init__(self, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor):
-        """gate, up: [I, H]; down: [H, I]."""
+    def __init__(self, gate: torch.Tensor | QuantWeight, up: torch.Tensor | QuantWeight,
+                 down: torch.Tensor | QuantWeight, dtype: torch.dtype = torch.bfloat16,
+                 scratch: Scratch | None = None):
+        """gate, up: [I, H]; down: [H, I]; dense tensors or QuantWeights (layers/qlinear.py)."""
         super().__init__()
-        self.gate_up = FusedLinear([gate, up])  # [2I, H]
-        self.down = Linear(down)
+        self.gate_up = make_linear([gate, up], None, dtype, scratch)  # [2I, H]
+        self.down = make_linear([down], None, dtype, scratch)
         self.inter = int(gate.shape[0])
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:

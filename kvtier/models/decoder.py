@@ -6,8 +6,10 @@ RMS-normalises q and k per head before rotary (`qk_norm`). The model never
 touches the KV cache itself: each layer hands q/k/v to the attention backend,
 which stores K/V in pages and attends.
 
-Weights are taken with Hugging Face's tensor names (registry.expected_shapes);
-q/k/v and gate/up are concatenated at load so each layer runs four matmuls.
+Weights are taken with Hugging Face's tensor names (registry.expected_shapes), each a
+dense tensor or a QuantWeight (layers/qweight.py, kept in the checkpoint's own format);
+q/k/v and gate/up are concatenated at load so each layer runs four matmuls (more where the
+parts' formats differ: layers/qlinear.py make_linear). Every weight is held once.
 """
 
 from __future__ import annotations
@@ -18,20 +20,25 @@ import torch.nn.functional as F
 from kvtier.config import ModelSpec
 from kvtier.kernels import fused
 from kvtier.layers.attention import AttentionBackend, AttentionMetadata
-from kvtier.layers.linear import (FOUR_BIT_SOURCES, INT8_GEMV_MAX_ROWS, FusedLinear, Linear, int4_gemv_supported,
-                                  quantize_rows_int8)
+from kvtier.layers.linear import FOUR_BIT_SOURCES, Linear, int4_gemv_supported
 from kvtier.layers.mlp import GatedMLP
 from kvtier.layers.norm import RMSNorm
+from kvtier.layers.qlinear import QuantLinear, QuantRef, Scratch, make_linear
+from kvtier.layers.qweight import QuantWeight
 from kvtier.layers.rotary import RotaryEmbedding
+from kvtier.models.loading.base import release_free_memory
 from kvtier.models.registry import expected_shapes, optional_shapes
 
-# Activation/weight dtypes the decoder runs in (quantized weights are dequantised by the loader).
+# Activation/weight dtypes the decoder runs in.
 COMPUTE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # How many offending tensor names a ValueError lists before eliding the rest.
 MAX_NAMES_IN_ERROR = 8
 
 
-def check_tensors(spec: ModelSpec, tensors: dict[str, torch.Tensor]) -> None:
+Weight = torch.Tensor | QuantWeight  # a dense tensor or a quantized matrix
+
+
+def check_tensors(spec: ModelSpec, tensors: dict[str, Weight]) -> None:
     """Raise ValueError naming missing, unexpected or mis-shaped tensors."""
     want = expected_shapes(spec)
     allowed = want | optional_shapes(spec)
@@ -53,20 +60,23 @@ def check_tensors(spec: ModelSpec, tensors: dict[str, torch.Tensor]) -> None:
 class DecoderLayer(torch.nn.Module):
     """Pre-norm block: h += o(attn(rope(qkv(norm(h))))); h += mlp(norm(h))."""
 
-    def __init__(self, spec: ModelSpec, w: dict[str, torch.Tensor]):
-        """w: this layer's tensors keyed by the name after 'model.layers.{i}.'."""
+    def __init__(self, spec: ModelSpec, w: dict[str, Weight], dtype: torch.dtype, scratch: Scratch | None = None):
+        """w: this layer's tensors keyed by the name after 'model.layers.{i}.'; scratch: the model's
+        buffer for dequantized weights (layers/qlinear.py)."""
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
         eps = spec.rms_norm_eps
         a = "self_attn."
         biases = ([w[a + f"{p}_proj.bias"] for p in "qkv"] if spec.attention_bias else None)
-        self.qkv = FusedLinear([w[a + f"{p}_proj.weight"] for p in "qkv"], biases)
-        self.o_proj = Linear(w[a + "o_proj.weight"], w.get(a + "o_proj.bias"))
+        self.qkv = make_linear([w[a + f"{p}_proj.weight"] for p in "qkv"], biases, dtype, scratch)
+        o_bias = w.get(a + "o_proj.bias")
+        self.o_proj = make_linear([w[a + "o_proj.weight"]], None if o_bias is None else [o_bias], dtype, scratch)
         self.q_norm = RMSNorm(w[a + "q_norm.weight"], eps) if spec.qk_norm else None
         self.k_norm = RMSNorm(w[a + "k_norm.weight"], eps) if spec.qk_norm else None
         self.input_norm = RMSNorm(w["input_layernorm.weight"], eps)
         self.post_norm = RMSNorm(w["post_attention_layernorm.weight"], eps)
-        self.mlp = GatedMLP(w["mlp.gate_proj.weight"], w["mlp.up_proj.weight"], w["mlp.down_proj.weight"])
+        self.mlp = GatedMLP(w["mlp.gate_proj.weight"], w["mlp.up_proj.weight"], w["mlp.down_proj.weight"],
+                            dtype, scratch)
 
     def forward(self, layer_idx: int, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 meta: AttentionMetadata, backend: AttentionBackend) -> torch.Tensor:
@@ -91,35 +101,65 @@ class DecoderLayer(torch.nn.Module):
         return rope(qkv, self.num_heads, self.num_kv_heads, self.head_dim, cos, sin, qw, kw, eps)
 
 
+class TokenEmbedding(torch.nn.Module):
+    """ids [T] -> rows [T, H] of the [V, H] table, held once: a dense tensor (shared with a tied
+    dense lm_head), a QuantWeight (rows dequantized on lookup), or a tied quantized lm_head's rows."""
+
+    def __init__(self, table: torch.Tensor | QuantWeight | QuantLinear, dtype: torch.dtype):
+        super().__init__()
+        self.dtype = dtype
+        self.weight = None if not isinstance(table, torch.Tensor) else torch.nn.Parameter(table, requires_grad=False)
+        self.table = QuantRef(table) if isinstance(table, QuantWeight) else None
+        # a tied QuantLinear stays out of this module's tree (it is the decoder's head)
+        self.head_rows = table.rows if isinstance(table, QuantLinear) else None
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        """ids [T] int64 -> [T, H]"""
+        if self.weight is not None:
+            return F.embedding(ids, self.weight)
+        if self.table is not None:
+            return self.table.rows(ids, self.dtype)
+        return self.head_rows(ids)
+
+
 class Decoder(torch.nn.Module):
     """Causal decoder over packed varlen tokens (see kvtier/layers/attention.py)."""
 
-    def __init__(self, spec: ModelSpec, tensors: dict[str, torch.Tensor], dtype: torch.dtype,
+    def __init__(self, spec: ModelSpec, tensors: dict[str, Weight], dtype: torch.dtype,
                  device: torch.device | str):
-        """Prefer `from_tensors`, which validates names and shapes first."""
+        """Prefer `from_tensors`, which validates names and shapes first. Consumes `tensors`: each
+        is popped once the module that holds it (repacked or as is) exists."""
         super().__init__()
         self.spec = spec
         self.dtype = dtype
-        self.embed = torch.nn.Parameter(tensors["model.embed_tokens.weight"].contiguous(), requires_grad=False)
+        self.scratch = Scratch()  # dequantized weights for CPU GEMMs, one buffer for all layers
+        embed = tensors.pop("model.embed_tokens.weight")
         if spec.tie_word_embeddings:
-            self.lm_head = self.embed  # [V, H], shared storage
+            self.head = make_linear([embed], None, dtype, self.scratch, exact_codes=True)
+            self.embedding = TokenEmbedding(self.head.weight if isinstance(self.head, Linear) else self.head, dtype)
         else:
-            self.lm_head = torch.nn.Parameter(tensors["lm_head.weight"].contiguous(), requires_grad=False)
-        self.norm = RMSNorm(tensors["model.norm.weight"], spec.rms_norm_eps)
+            self.embedding = TokenEmbedding(embed, dtype)
+            self.head = make_linear([tensors.pop("lm_head.weight")], None, dtype, self.scratch, exact_codes=True)
+        del embed
+        release_free_memory()
+        self.norm = RMSNorm(tensors.pop("model.norm.weight"), spec.rms_norm_eps)
         layers = []
         for i in range(spec.num_layers):
             p = f"model.layers.{i}."
-            # popped: once the layer holds its (fused) copies, the separate tensors can be freed
+            # popped: once the layer holds its (fused, repacked) copies, the sources can be freed
             mine = [n for n in tensors if n.startswith(p)]
-            layers.append(DecoderLayer(spec, {n[len(p):]: tensors.pop(n) for n in mine}))
+            layers.append(DecoderLayer(spec, {n[len(p):]: tensors.pop(n) for n in mine}, dtype, self.scratch))
+            # the popped sources were allocated by the loader's threads, whose malloc arenas the
+            # next layer's repacking does not reuse: hand them back now, not after the last layer
+            release_free_memory()
         self.layers = torch.nn.ModuleList(layers)
         self.rotary = RotaryEmbedding(spec.head_dim, spec.rope_theta, spec.max_position_embeddings,
                                       spec.rope_scaling, dtype=dtype, device=device)
 
     @classmethod
-    def from_tensors(cls, spec: ModelSpec, tensors: dict[str, torch.Tensor], dtype: torch.dtype,
+    def from_tensors(cls, spec: ModelSpec, tensors: dict[str, Weight], dtype: torch.dtype,
                      device: torch.device | str, consume: bool = False) -> "Decoder":
-        """Build from HF-named tensors; ValueError names any missing/extra/mis-shaped tensor.
+        """Build from HF-named tensors (dense or QuantWeight); ValueError names any missing/extra/mis-shaped one.
 
         consume: empty `tensors` while building, so each source tensor is freed as soon as its
         layer holds what it needs (peak memory about one model, not two).
@@ -127,18 +167,24 @@ class Decoder(torch.nn.Module):
         if dtype not in COMPUTE_DTYPES:
             raise ValueError(f"decoder dtype must be one of {COMPUTE_DTYPES}, got {dtype}")
         check_tensors(spec, tensors)
-        bad = [n for n, t in tensors.items() if not t.is_floating_point()]
+        bad = [n for n, t in tensors.items() if isinstance(t, torch.Tensor) and not t.is_floating_point()]
         if bad:
-            raise ValueError(f"tensor {bad[0]} is {tensors[bad[0]].dtype}; the loader must dequantise to float")
+            raise ValueError(f"tensor {bad[0]} is {tensors[bad[0]].dtype}; the loader must dequantise to float "
+                             f"or give a QuantWeight")
+
+        def place(t: Weight) -> Weight:
+            return t.to(device) if isinstance(t, QuantWeight) else t.to(device=device, dtype=dtype)
+
         if consume:
-            cast = {n: tensors.pop(n).to(device=device, dtype=dtype) for n in list(tensors)}
+            cast = {n: place(tensors.pop(n)) for n in list(tensors)}
         else:
-            cast = {n: t.to(device=device, dtype=dtype) for n, t in tensors.items()}
+            cast = {n: place(t) for n, t in tensors.items()}
         with torch.device(device):
             return cls(spec, cast, dtype, device)
 
     def enable_int8_gemv(self, source_types: dict[str, str] | None = None) -> None:
-        """Quantized weight copies for small-batch (decode) matmuls, lm_head included (layers/linear.py).
+        """Quantized copies of the dense matmul weights for small-batch (decode) CPU matmuls, lm_head
+        included (layers/linear.py). QuantLinear layers already hold their one packed copy.
 
         int8 per row by default; int4 groups where every source tensor of a matmul is 4-bit in
         the checkpoint (`source_types`: HF tensor name -> GGUF quant type name).
@@ -151,28 +197,34 @@ class Decoder(torch.nn.Module):
                      layer.mlp.gate_up: [f"{p}mlp.gate_proj.weight", f"{p}mlp.up_proj.weight"],
                      layer.mlp.down: [f"{p}mlp.down_proj.weight"]}
             for lin, names in parts.items():
+                if not isinstance(lin, Linear):
+                    continue
                 four_bit = all(types.get(n) in FOUR_BIT_SOURCES for n in names)
                 if four_bit and int4_gemv_supported(lin.weight.device, lin.weight.dtype, lin.weight.shape[1]):
                     lin.enable_int4_gemv()
                 else:
                     lin.enable_int8_gemv()
-        q, s = quantize_rows_int8(self.lm_head.data)
-        self.register_buffer("head_q", q, persistent=False)
-        self.register_buffer("head_scale", s, persistent=False)
-
-    @property
-    def int8_gemv(self) -> bool:
-        return getattr(self, "head_q", None) is not None
+        if isinstance(self.head, Linear):
+            self.head.enable_int8_gemv()
 
     def decode_weight_bytes(self) -> int:
         """Weight bytes one decode step reads: every matmul once, norms, one embedding row."""
-        lin = [m for m in self.modules() if isinstance(m, Linear)]
-        total = sum(m.decode_bytes() for m in lin)
+        total = sum(m.decode_bytes() for m in self.modules() if isinstance(m, (Linear, QuantLinear)))
         norms = sum(p.numel() * p.element_size() for n, p in self.named_parameters()
                     if n.endswith("norm.weight"))
-        head = (self.head_q.numel() + self.head_scale.numel() * self.head_scale.element_size()
-                if self.int8_gemv else self.lm_head.numel() * self.lm_head.element_size())
-        return total + norms + head + self.embed.shape[1] * self.embed.element_size()
+        return total + norms + self.spec.hidden_size * torch.finfo(self.dtype).bits // 8
+
+    def weight_bytes(self) -> dict[str, int]:
+        """Resident bytes of every parameter and buffer (tied storage once), by device type."""
+        seen: set[int] = set()
+        out: dict[str, int] = {}
+        for t in list(self.parameters()) + list(self.buffers()):
+            key = t.untyped_storage().data_ptr()
+            if key in seen:
+                continue
+            seen.add(key)
+            out[t.device.type] = out.get(t.device.type, 0) + t.untyped_storage().nbytes()
+        return out
 
     @property
     def kv_shape(self) -> tuple[int, int, int]:
@@ -187,11 +239,9 @@ class Decoder(torch.nn.Module):
         positions must agree with meta (row i of seq b at seq_lens[b] - n_new_b + i); their
         bound is taken from meta.context_bound so no device sync is needed.
         """
-        h = F.embedding(input_ids, self.embed)  # [T, H]
+        h = self.embedding(input_ids)  # [T, H]
         cos, sin = self.rotary(positions, max_pos=meta.context_bound - 1)
         for i, layer in enumerate(self.layers):
             h = layer(i, h, cos, sin, meta, backend)
         h = self.norm(h.index_select(0, meta.logits_indices))  # [N, H]
-        if self.int8_gemv and h.shape[0] <= INT8_GEMV_MAX_ROWS:
-            return torch._weight_int8pack_mm(h.contiguous(), self.head_q, self.head_scale).float()
-        return F.linear(h, self.lm_head).float()  # [N, V]
+        return self.head(h).float()  # [N, V]

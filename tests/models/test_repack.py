@@ -15,7 +15,8 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as Q
 from gguf import quants as gguf_quants
 
-from kvtier.models.loading.repack import REPACKS, cat_rows, permute_rows, repack
+from kvtier.layers.qlinear import cat_rows
+from kvtier.models.loading.repack import REPACKS, permute_rows, repack
 
 EXACT = [Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.Q5_0, Q.Q5_1]
 K_QUANTS = [Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K]

@@ -1,8 +1,12 @@
-"""GGUF checkpoints: validated header scan, dequantization, and the llama q/k un-permutation.
+"""GGUF checkpoints: validated header scan, tensors in their stored format, the llama q/k un-permutation.
 
 The header is parsed here with bounds checks on every read (gguf.GGUFReader builds a numpy
 field per vocabulary string, ~5 s on a 49K vocab, and fails with bare numpy errors on damaged
-files). Tensor bytes are memory-mapped and dequantized with `gguf.quants.dequantize`.
+files). Tensor bytes are memory-mapped and read one tensor at a time: `weights="stored"` repacks
+quantized blocks into QuantWeight (repack.py) without losing what the file holds, "dense"
+dequantizes with `gguf.quants.dequantize` (the fp32 reference), "int8" / "int4" dequantize and
+re-round each matmul weight (quantize_rtn). Each tensor's mapped pages are dropped once it is
+read, so the file's pages do not stay in the process's resident memory.
 
 File layout (v2/v3, little endian):
 
@@ -14,7 +18,6 @@ File layout (v2/v3, little endian):
 from __future__ import annotations
 
 import dataclasses
-
 import mmap
 import os
 import struct
@@ -29,8 +32,11 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf import quants as gguf_quants
 
 from kvtier.config import ModelSpec
+from kvtier.layers.qweight import QuantWeight
+from kvtier.models.loading.base import (LOAD_WEIGHTS, Checkpoint, ModelFileError, check_tensor_shapes,
+                                        quantize_at_load, release_free_memory)
 from kvtier.models.loading.dequant import dequantize_q5
-from kvtier.models.loading.base import Checkpoint, ModelFileError, check_tensor_shapes
+from kvtier.models.loading.repack import DENSE_TYPES, REPACKS, dense_from_bytes, permute_rows, repack
 from kvtier.models.registry import (ARCHS, GGUF_IGNORED_TENSORS, SUPPORTED_ARCHS, arch_info,
                                     expected_shapes, gguf_to_hf_name, optional_shapes)
 
@@ -243,6 +249,11 @@ def _rope_scaling(md: dict[str, Any], arch: str) -> dict | None:
     return out
 
 
+def unpermute_index(rows: int, n_head: int) -> torch.Tensor:
+    """Row order that undoes the llama q/k permutation: unpermute_qk(w) == w[unpermute_index(...)]."""
+    return unpermute_qk(torch.arange(rows), n_head)
+
+
 def unpermute_qk(w: torch.Tensor, n_head: int) -> torch.Tensor:
     """Undo convert_hf_to_gguf.py's llama q/k row permutation (its `permute`).
 
@@ -253,16 +264,22 @@ def unpermute_qk(w: torch.Tensor, n_head: int) -> torch.Tensor:
     return w.reshape(n_head, d // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
-def dequantize_tensor(data: np.ndarray, t: GGUFTensorInfo, path: Path) -> np.ndarray:
-    """Dequantize one tensor's bytes to float32 of shape t.torch_shape."""
+def _check_supported(t: GGUFTensorInfo, path: Path) -> None:
     if t.qtype not in SUPPORTED_QUANT_TYPES:
         names = ", ".join(sorted(q.name for q in SUPPORTED_QUANT_TYPES))
         raise ModelFileError(path, f"unsupported quant type {t.qtype.name} for tensor {t.name} (supported: {names})")
+
+
+def dequantize_tensor(data: np.ndarray, t: GGUFTensorInfo, path: Path) -> np.ndarray:
+    """Dequantize one tensor's bytes to float32 of shape t.torch_shape."""
+    _check_supported(t, path)
     raw = data[t.offset:t.offset + t.nbytes]
     if t.qtype == _Q.F32:
         out = raw.view(np.float32)
     elif t.qtype == _Q.F16:
         out = raw.view(np.float16).astype(np.float32)
+    elif t.qtype == _Q.BF16:
+        out = (raw.view(np.uint16).astype(np.uint32) << np.uint32(16)).view(np.float32)
     else:
         rows = raw.reshape(-1, t.nbytes // max(1, int(np.prod(t.shape[1:], dtype=np.int64))))
         fast = dequantize_q5(rows, t.qtype)
@@ -270,12 +287,48 @@ def dequantize_tensor(data: np.ndarray, t: GGUFTensorInfo, path: Path) -> np.nda
     return out.reshape(t.torch_shape)
 
 
+def read_stored(data: np.ndarray, t: GGUFTensorInfo, path: Path) -> torch.Tensor | QuantWeight:
+    """One tensor as the file holds it: quantized 2-D blocks -> QuantWeight, others -> a dense tensor."""
+    _check_supported(t, path)
+    raw = data[t.offset:t.offset + t.nbytes]
+    if t.qtype in DENSE_TYPES:
+        return dense_from_bytes(raw, t.qtype, t.torch_shape)
+    if t.qtype in REPACKS and len(t.torch_shape) == 2:
+        return repack(raw, t.qtype, *t.torch_shape)
+    return torch.from_numpy(np.array(dequantize_tensor(data, t, path), dtype=np.float32, copy=True))
+
+
+class _Mapped:
+    """The file memory-mapped read-only, as a uint8 array; `drop` releases a byte range's pages."""
+
+    def __init__(self, path: Path) -> None:
+        with open(path, "rb") as f:
+            self.mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        self.data = np.frombuffer(self.mm, dtype=np.uint8)
+
+    def drop(self, start: int, nbytes: int) -> None:
+        """MADV_DONTNEED over the pages of [start, start + nbytes): they leave this process's resident
+        set (the page cache keeps them; a later read faults them back in)."""
+        if not hasattr(mmap, "MADV_DONTNEED"):
+            return
+        page = mmap.PAGESIZE
+        lo = start // page * page
+        self.mm.madvise(mmap.MADV_DONTNEED, lo, min(len(self.mm), start + nbytes) - lo)
+
+
 # Llama 3.1+ GGUFs: rope frequency divisors [head_dim / 2] (read into spec.rope_scaling).
 ROPE_FREQS_TENSOR = "rope_freqs.weight"
 
 
-def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32) -> Checkpoint:
-    """Load a GGUF file into HF-named, dequantized tensors of `dtype`."""
+def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32, weights: str = "dense") -> Checkpoint:
+    """Load a GGUF file into HF-named tensors.
+
+    weights: "dense" -> every tensor dequantized to `dtype`; "stored" -> quantized matmul and
+    embedding weights as QuantWeight in the file's own blocks (repack.py), the rest in `dtype`;
+    "int8" / "int4" -> matmul weights dequantized and re-rounded by quantize_rtn.
+    """
+    if weights not in LOAD_WEIGHTS:
+        raise ValueError(f"weights must be one of {', '.join(LOAD_WEIGHTS)}, got {weights!r}")
     header = read_gguf_header(path)
     path = header.path
     spec = spec_from_gguf(header)
@@ -290,7 +343,8 @@ def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32) -> Checkpoin
         by_hf[hf] = t
     check_tensor_shapes(path, {k: t.torch_shape for k, t in by_hf.items()}, expected_shapes(spec),
                         optional_shapes(spec))
-    data = np.memmap(path, dtype=np.uint8, mode="r")
+    mapped = _Mapped(path)
+    data = mapped.data
     permuted = arch_info(spec.arch).gguf_permuted_qk
     freqs = next((t for t in header.tensors if t.name == ROPE_FREQS_TENSOR), None)
     if freqs is not None:  # Llama 3.1+: rope scaling as per-frequency divisors
@@ -301,19 +355,27 @@ def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32) -> Checkpoin
         spec = dataclasses.replace(spec, rope_scaling={"rope_type": "freq_factors",
                                                        "freq_factors": factors.tolist()})
 
-    def one(item: tuple[str, GGUFTensorInfo]) -> torch.Tensor:
+    def one(item: tuple[str, GGUFTensorInfo]) -> torch.Tensor | QuantWeight:
         hf, t = item
-        w = torch.from_numpy(np.array(dequantize_tensor(data, t, path), dtype=np.float32, copy=True))
-        if permuted and ".self_attn.q_proj." in hf:
-            w = unpermute_qk(w, spec.num_heads)
-        elif permuted and ".self_attn.k_proj." in hf:
-            w = unpermute_qk(w, spec.num_kv_heads)
-        return w.to(dtype)
+        if weights == "stored":
+            w = read_stored(data, t, path)
+        else:
+            w = torch.from_numpy(np.array(dequantize_tensor(data, t, path), dtype=np.float32, copy=True))
+        mapped.drop(t.offset, t.nbytes)
+        heads = (spec.num_heads if ".self_attn.q_proj." in hf else
+                 spec.num_kv_heads if ".self_attn.k_proj." in hf else 0)
+        if permuted and heads:
+            w = (permute_rows(w, unpermute_index(w.shape[0], heads)) if isinstance(w, QuantWeight)
+                 else unpermute_qk(w, heads))
+        if isinstance(w, QuantWeight):
+            return w
+        return quantize_at_load(hf, w, weights, dtype)
 
-    # numpy releases the GIL in its kernels, so tensors dequantize in parallel threads.
+    # numpy releases the GIL in its kernels, so tensors are read in parallel threads.
     with ThreadPoolExecutor(max_workers=LOAD_THREADS) as pool:
         tensors = dict(zip(by_hf, pool.map(one, by_hf.items())))
-    del data
+    del data, mapped
+    release_free_memory()
     return Checkpoint(spec=spec, tensors=tensors, path=path, format="gguf",
                       metadata=_summary_metadata(header, by_hf, unmapped))
 

@@ -161,6 +161,7 @@ REPACKS: dict[GGMLQuantizationType, tuple[int, int, BlockRepack]] = {
     _Q.Q6_K: (8, 16, _q6_k), _Q.Q3_K: (8, 16, _q3_k), _Q.Q2_K: (8, 16, _q2_k),
 }
 DENSE_TYPES = frozenset({_Q.F32, _Q.F16, _Q.BF16})
+ASYMMETRIC = frozenset({_Q.Q4_0, _Q.Q4_1, _Q.Q4_K, _Q.Q5_1, _Q.Q5_K, _Q.Q2_K})  # repacks with mins
 
 
 def dense_from_bytes(raw: np.ndarray, qtype: GGMLQuantizationType, shape: tuple[int, ...]) -> torch.Tensor:
@@ -213,15 +214,3 @@ def permute_rows(w: QuantWeight, perm: torch.Tensor) -> QuantWeight:
     """Rows of w reordered: row i of the result is row perm[i] of w (scales and mins with them)."""
     sel = (lambda t: None if t is None else t.index_select(0, perm))
     return QuantWeight(w.bits, w.group, sel(w.qweight), sel(w.scales), sel(w.mins))
-
-
-def cat_rows(parts: list[QuantWeight]) -> QuantWeight:
-    """QuantWeights of one K, bits and group stacked along N (a fused qkv / gate_up)."""
-    first = parts[0]
-    if any(p.bits != first.bits or p.group != first.group or p.shape[1] != first.shape[1] for p in parts):
-        raise ValueError("cat_rows: parts must share bits, group and K")
-    mins = None
-    if any(p.mins is not None for p in parts):  # a symmetric part gets zero mins
-        mins = torch.cat([p.mins if p.mins is not None else torch.zeros_like(p.scales) for p in parts])
-    return QuantWeight(first.bits, first.group, torch.cat([p.qweight for p in parts]),
-                       torch.cat([p.scales for p in parts]), mins)

@@ -11,7 +11,8 @@ import torch
 from safetensors import safe_open
 
 from kvtier.config import ModelSpec
-from kvtier.models.loading.base import Checkpoint, ModelFileError, check_tensor_shapes
+from kvtier.layers.qweight import QuantWeight
+from kvtier.models.loading.base import Checkpoint, ModelFileError, check_tensor_shapes, quantize_at_load
 from kvtier.models.registry import arch_for_hf_model_type, arch_info, expected_shapes, optional_shapes
 
 INDEX_NAME = "model.safetensors.index.json"
@@ -118,8 +119,13 @@ def check_safetensors_file(path: Path) -> dict[str, Any]:
     return header
 
 
-def load_safetensors_dir(model_dir: str | Path, dtype: torch.dtype = torch.float32) -> Checkpoint:
-    """Load an HF checkpoint directory into HF-named tensors of `dtype`."""
+def load_safetensors_dir(model_dir: str | Path, dtype: torch.dtype = torch.float32,
+                         weights: str = "dense") -> Checkpoint:
+    """Load an HF checkpoint directory into HF-named tensors of `dtype`, one tensor at a time.
+
+    weights "int8" / "int4": matrices quantized at load (base.quantize_at_load); "dense" and
+    "stored" keep them dense in `dtype`.
+    """
     model_dir = Path(model_dir)
     spec = spec_from_config(read_config(model_dir), model_dir / "config.json")
     files = shard_files(model_dir)
@@ -134,13 +140,14 @@ def load_safetensors_dir(model_dir: str | Path, dtype: torch.dtype = torch.float
     want = expected_shapes(spec)
     check_tensor_shapes(model_dir, shapes, want, optional_shapes(spec))
     keep = set(want) | (set(optional_shapes(spec)) & set(shapes))
-    tensors: dict[str, torch.Tensor] = {}
+    tensors: dict[str, torch.Tensor | QuantWeight] = {}
     for f in files:
         with safe_open(str(f), framework="pt") as sf:
             for name in sf.keys():
                 if name in keep and owner[name] == f:
-                    tensors[name] = sf.get_tensor(name).to(dtype)
+                    tensors[name] = quantize_at_load(name, sf.get_tensor(name), weights, dtype)
     return Checkpoint(spec=spec, tensors=tensors, path=model_dir, format="safetensors",
                       metadata={"files": [f.name for f in files],
-                                "tensor_types": {k: str(v.dtype) for k, v in tensors.items()},
+                                "tensor_types": {k: (str(v.dtype) if isinstance(v, torch.Tensor)
+                                                     else f"int{v.bits}") for k, v in tensors.items()},
                                 "unmapped_tensors": sorted(set(shapes) - keep)})

@@ -1,0 +1,401 @@
+"""Linear layers over weight-only quantized matrices (QuantWeight, layers/qweight.py): one copy each.
+
+Where the weight lives decides how it is held and multiplied:
+
+    CUDA           the QuantWeight itself; every batch size goes to
+                   kvtier.kernels.wq_matmul.wq_linear (Triton: skinny / tiled / dequant+cuBLAS)
+    CPU, bf16      repacked once at build time for torch's CPU kernels, and the QuantWeight freed:
+                     4-bit, group 32..256  -> Int4PackCPU: torch's int4pack (w = (q - 8) s + z,
+                                              bf16 s and z), `_weight_int4pack_mm_for_cpu`
+                     8-bit                 -> Int8RowsCPU: one int8 code and bf16 scale per row
+                                              (`_weight_int8pack_mm`), requantized from the groups;
+                                              the lm_head: Int8SplitCPU, the codes exactly as two
+                                              int4pack halves (pack_for says why)
+                   batches up to CPU_GEMV_MAX_ROWS rows (decode and CPU prefill chunks) run those
+                   kernels; larger ones dequantize CPU_SCRATCH_ELEMS weights at a time into one
+                   reused bf16 buffer (`Scratch`, shared by a model's layers) for the dense GEMM.
+    CPU, other     QuantRef: the QuantWeight, dequantized chunk by chunk into the scratch for
+                   every call (the exact fp32 path; slow, for references and tests)
+
+Every packing can also hand back single rows (`rows`): a tied embedding reads its table from
+the lm_head's packing, so the table is held once.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from kvtier.layers.linear import quantize_rows_int8
+from kvtier.layers.qweight import QuantWeight
+
+# Rows of x up to which CPU matmuls run torch's int4 / int8 weight kernels; above, dequantize +
+# dense GEMM. Measured on a 2-core AVX512-BF16 EPYC (no AMX): the kernels match or beat dequantize
+# + GEMM up to 512 rows (int4 [9728, 896]: 20 ms vs 96 ms at 128 rows, 75 vs 64 ms at 512), since
+# dequantizing costs more than a GEMM of a few hundred rows. CPU prefill chunks are 512 tokens.
+CPU_GEMV_MAX_ROWS = 1024
+# torch's CPU int4pack interleaves output rows in blocks of 64 (row d and d + 32 of a block share
+# a byte); weights are padded to a multiple of this.
+INT4PACK_BLOCK_N = 64
+INT4PACK_GROUPS = (32, 64, 128, 256)  # group sizes `_weight_int4pack_mm_for_cpu` accepts
+INT4_OFFSET = 8  # torch's int4pack: w = (q - 8) * scale + zero
+# Weights dequantized at once for a GEMM: 16M bf16 = 32 MiB of scratch, whatever the model.
+CPU_SCRATCH_ELEMS = 16 << 20
+# Rows requantized at once when building a per-row int8 copy (bounds the fp32 temporary).
+REQUANT_ROWS = 4096
+PACK_ROWS = 64 * 64  # rows repacked to int4pack at once (a multiple of INT4PACK_BLOCK_N)
+
+
+class Scratch:
+    """One reusable buffer for dequantized weights; a model's layers share it (they run one at a time)."""
+
+    def __init__(self) -> None:
+        self.buf: torch.Tensor | None = None
+
+    def get(self, n: int, k: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """An uninitialised [n, k] view; the buffer grows to the largest request."""
+        if self.buf is None or self.buf.numel() < n * k or self.buf.dtype != dtype or self.buf.device != device:
+            self.buf = torch.empty(max(n * k, 0 if self.buf is None else self.buf.numel()), dtype=dtype,
+                                   device=device)
+        return self.buf[:n * k].view(n, k)
+
+
+class PackedWeight(torch.nn.Module):
+    """A [N, K] weight in one device-specific layout. Subclasses define the four methods below."""
+
+    shape: tuple[int, int]
+
+    def gemv(self, x: torch.Tensor) -> torch.Tensor | None:
+        """x [M, K] (few rows) -> [M, N] with a kernel that reads the packed bytes; None: no such kernel."""
+        return None
+
+    def dequantize_into(self, r0: int, r1: int, out: torch.Tensor) -> None:
+        """Rows r0..r1 of the dense weight into out [r1 - r0, K] (out's dtype). r0 is a multiple of row_align."""
+        raise NotImplementedError
+
+    def rows(self, idx: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """idx [T] row ids -> the dense rows [T, K] in dtype (embedding lookups)."""
+        raise NotImplementedError
+
+    def nbytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in self.buffers())
+
+    row_align = 1  # dequantize_into chunks start at multiples of this
+
+
+class Int4PackCPU(PackedWeight):
+    """torch's CPU int4pack: uint8 [Np / 64, K, 32] (byte = row d | row d + 32 << 4 of a 64-row block)
+    and scales_and_zeros bf16 [K / group, Np, 2]; Np = N rounded up to 64 (zero rows pad)."""
+
+    row_align = INT4PACK_BLOCK_N
+
+    def __init__(self, qw: QuantWeight, dtype: torch.dtype = torch.bfloat16) -> None:
+        super().__init__()
+        n, k = qw.shape
+        self.shape, self.group = (n, k), qw.group
+        np_ = -(-n // INT4PACK_BLOCK_N) * INT4PACK_BLOCK_N
+        packed = torch.zeros(np_, k // 2, dtype=torch.uint8)  # padding rows: code 0, scale 0
+        for r0 in range(0, n, PACK_ROWS):
+            r1 = min(n, r0 + PACK_ROWS)
+            packed[r0:-(-r1 // INT4PACK_BLOCK_N) * INT4PACK_BLOCK_N] = int4pack_rows(qw.qweight[r0:r1])
+        scale = torch.zeros(np_, k // qw.group)
+        scale[:n] = qw.scales.float()
+        mins = torch.zeros_like(scale)
+        if qw.mins is not None:
+            mins[:n] = qw.mins.float()
+        zero = mins + INT4_OFFSET * scale  # (q - 8) * scale + zero == q * scale + min
+        self.register_buffer("packed", packed, persistent=False)
+        self.register_buffer("sz", torch.stack((scale, zero), -1).transpose(0, 1).contiguous().to(dtype),
+                             persistent=False)  # [K / group, Np, 2]
+
+    def gemv(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch._weight_int4pack_mm_for_cpu(x.contiguous(), self.packed, self.group, self.sz)
+        return y if y.shape[1] == self.shape[0] else y[:, :self.shape[0]]
+
+    def _codes(self, blocks: torch.Tensor) -> torch.Tensor:
+        """blocks uint8 [B, K, 32] -> codes uint8 [B * 64, K] in row order."""
+        b, k, _ = blocks.shape
+        codes = torch.empty(b, INT4PACK_BLOCK_N, k, dtype=torch.uint8)
+        half = INT4PACK_BLOCK_N // 2
+        torch.bitwise_and(blocks, 0xF, out=codes[:, :half].transpose(1, 2))
+        torch.bitwise_right_shift(blocks, 4, out=codes[:, half:].transpose(1, 2))
+        return codes.view(-1, k)
+
+    def dequantize_into(self, r0: int, r1: int, out: torch.Tensor) -> None:
+        n, k = self.shape
+        b0, b1 = r0 // INT4PACK_BLOCK_N, -(-r1 // INT4PACK_BLOCK_N)
+        blocks = self.packed.view(-1, k, INT4PACK_BLOCK_N // 2)[b0:b1]
+        codes = self._codes(blocks)[r0 - b0 * INT4PACK_BLOCK_N:r1 - b0 * INT4PACK_BLOCK_N]
+        self._apply_scales(codes, self.sz[:, r0:r1], out)
+
+    def _apply_scales(self, codes: torch.Tensor, sz: torch.Tensor, out: torch.Tensor) -> None:
+        """codes uint8 [R, K], sz [K / group, R, 2] -> out [R, K] = (codes - 8) * scale + zero."""
+        r, k = codes.shape
+        scale = sz[..., 0].t().to(out.dtype)[..., None]  # [R, G, 1]
+        base = (sz[..., 1].t().float() - INT4_OFFSET * sz[..., 0].t().float()).to(out.dtype)[..., None]
+        torch.addcmul(base, codes.view(r, -1, self.group), scale, out=out.view(r, -1, self.group))
+
+    def rows(self, idx: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        k = self.shape[1]
+        half = INT4PACK_BLOCK_N // 2
+        blocks = self.packed.view(-1, k, half)
+        byte = blocks[idx // INT4PACK_BLOCK_N, :, idx % half]  # [T, K]
+        high = (idx % INT4PACK_BLOCK_N >= half)[:, None]
+        codes = torch.where(high, byte >> 4, byte & 0xF)
+        out = torch.empty(idx.shape[0], k, dtype=dtype)
+        self._apply_scales(codes, self.sz[:, idx], out)
+        return out
+
+
+class Int8RowsCPU(PackedWeight):
+    """Per-row int8 for torch's `_weight_int8pack_mm`: q int8 [N, K], scale [N] (the activation dtype).
+
+    Built from any QuantWeight by dequantizing and re-rounding each row to its own absmax / 127:
+    lossy where a row's groups have different scales (each code moves by at most half a row step).
+    """
+
+    def __init__(self, qw: QuantWeight, dtype: torch.dtype = torch.bfloat16) -> None:
+        super().__init__()
+        n, k = qw.shape
+        self.shape = (n, k)
+        q = torch.empty(n, k, dtype=torch.int8)
+        s = torch.empty(n, dtype=dtype)
+        for r0 in range(0, n, REQUANT_ROWS):
+            part = _slice_rows(qw, r0, min(n, r0 + REQUANT_ROWS))
+            q[r0:r0 + part.shape[0]], s[r0:r0 + part.shape[0]] = quantize_rows_int8(part.dequantize().to(dtype))
+        self.register_buffer("q", q, persistent=False)
+        self.register_buffer("scale", s, persistent=False)
+
+    def gemv(self, x: torch.Tensor) -> torch.Tensor:
+        return torch._weight_int8pack_mm(x.contiguous(), self.q, self.scale)
+
+    def dequantize_into(self, r0: int, r1: int, out: torch.Tensor) -> None:
+        torch.mul(self.q[r0:r1], self.scale[r0:r1, None], out=out)
+
+    def rows(self, idx: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        return (self.q[idx] * self.scale[idx, None]).to(dtype)
+
+
+class Int8SplitCPU(PackedWeight):
+    """8-bit codes exactly, as two int4pack halves: with u = q + 128 = 16 hi + lo,
+
+        q s + m = (hi * 16 s - 128 s) + (lo * s + m)
+
+    so two `_weight_int4pack_mm_for_cpu` calls sum to the weight with the codes untouched (only
+    the bf16 scale / zero rounding of int4pack). Twice the int4 work and 1.25 bytes a weight."""
+
+    row_align = INT4PACK_BLOCK_N
+
+    def __init__(self, qw: QuantWeight, dtype: torch.dtype = torch.bfloat16) -> None:
+        super().__init__()
+        self.shape = qw.shape
+        self.hi = Int4PackCPU(_split_half(qw, high=True), dtype)
+        self.lo = Int4PackCPU(_split_half(qw, high=False), dtype)
+
+    def gemv(self, x: torch.Tensor) -> torch.Tensor:
+        return self.hi.gemv(x).add_(self.lo.gemv(x))
+
+    def dequantize_into(self, r0: int, r1: int, out: torch.Tensor) -> None:
+        self.hi.dequantize_into(r0, r1, out)
+        low = torch.empty_like(out)
+        self.lo.dequantize_into(r0, r1, low)
+        out.add_(low)
+
+    def rows(self, idx: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        return self.hi.rows(idx, torch.float32).add_(self.lo.rows(idx, torch.float32)).to(dtype)
+
+
+class QuantRef(PackedWeight):
+    """The QuantWeight as it is: dequantized on use (CUDA calls wq_linear on it instead, see QuantLinear)."""
+
+    def __init__(self, qw: QuantWeight) -> None:
+        super().__init__()
+        self.shape, self.bits, self.group = qw.shape, qw.bits, qw.group
+        self.register_buffer("qweight", qw.qweight, persistent=False)
+        self.register_buffer("scales", qw.scales, persistent=False)
+        self.register_buffer("mins", qw.mins, persistent=False)
+
+    @property
+    def qw(self) -> QuantWeight:
+        return QuantWeight(self.bits, self.group, self.qweight, self.scales, self.mins)
+
+    def dequantize_into(self, r0: int, r1: int, out: torch.Tensor) -> None:
+        out.copy_(_slice_rows(self.qw, r0, r1).dequantize(torch.float32))
+
+    def rows(self, idx: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        qw = self.qw
+        sel = (lambda t: None if t is None else t.index_select(0, idx))
+        return QuantWeight(qw.bits, qw.group, sel(qw.qweight), sel(qw.scales), sel(qw.mins)).dequantize(dtype)
+
+
+def int4pack_rows(qweight: torch.Tensor) -> torch.Tensor:
+    """QuantWeight 4-bit codes uint8 [R, K / 2] (column 2j low nibble) -> torch's CPU int4pack bytes
+    [Rp, K / 2] (Rp = R rounded up to 64, zero rows pad): byte (b, k, d) of the [Rp / 64, K, 32]
+    view holds row 64 b + d of column k low and row 64 b + 32 + d high (what
+    `torch._convert_weight_to_int4pack_for_cpu(codes, 1)` makes from int32 codes; tested equal)."""
+    r, half = qweight.shape
+    rp = -(-r // INT4PACK_BLOCK_N) * INT4PACK_BLOCK_N
+    codes = torch.zeros(rp, half * 2, dtype=torch.uint8)
+    codes[:r, 0::2] = qweight & 0xF
+    codes[:r, 1::2] = qweight >> 4
+    blocks = codes.view(rp // INT4PACK_BLOCK_N, 2, INT4PACK_BLOCK_N // 2, half * 2)  # [B, lo/hi, 32, K]
+    out = (blocks[:, 0] | (blocks[:, 1] << 4)).transpose(1, 2).contiguous()  # [B, K, 32]
+    return out.view(rp, half)
+
+
+def _split_half(qw: QuantWeight, high: bool) -> QuantWeight:
+    """One 4-bit half of an 8-bit QuantWeight (Int8SplitCPU): u = q + 128; high: u >> 4 with scale
+    16 s and min -128 s; low: u & 15 with scale s and min m. Built REQUANT_ROWS rows at a time."""
+    from kvtier.layers.qweight import pack_int4
+
+    n, k = qw.shape
+    codes = torch.empty(n, k // 2, dtype=torch.uint8)
+    for r0 in range(0, n, REQUANT_ROWS):
+        u = (qw.qweight[r0:r0 + REQUANT_ROWS].to(torch.int16) + 128).to(torch.uint8)
+        codes[r0:r0 + REQUANT_ROWS] = pack_int4(u >> 4 if high else u & 0xF)
+    s = qw.scales
+    if high:
+        return QuantWeight(4, qw.group, codes, s * 16, s * -128)
+    return QuantWeight(4, qw.group, codes, s, qw.mins if qw.mins is not None else torch.zeros_like(s))
+
+
+def _slice_rows(qw: QuantWeight, r0: int, r1: int) -> QuantWeight:
+    return QuantWeight(qw.bits, qw.group, qw.qweight[r0:r1], qw.scales[r0:r1],
+                       None if qw.mins is None else qw.mins[r0:r1])
+
+
+def int4pack_supported(qw: QuantWeight) -> bool:
+    return qw.bits == 4 and qw.group in INT4PACK_GROUPS and hasattr(torch, "_weight_int4pack_mm_for_cpu")
+
+
+def pack_for(qw: QuantWeight, dtype: torch.dtype, exact_codes: bool = False) -> PackedWeight:
+    """The packing a QuantWeight on qw.device multiplies fastest in, computing in dtype (module doc).
+
+    exact_codes: 8-bit groups as two int4pack halves (Int8SplitCPU) instead of per-row int8: the
+    lm_head, whose rounding lands on the logits unaveraged (SmolLM2's Q8_0 head: mean KL to fp32
+    1.8e-3 split vs 3.7e-3 per-row int8, tests/models/test_cpu_int8_decode.py).
+    """
+    if qw.device.type == "cpu" and dtype == torch.bfloat16:
+        if int4pack_supported(qw):
+            return Int4PackCPU(qw, dtype)
+        if exact_codes and qw.bits == 8 and qw.group in INT4PACK_GROUPS and hasattr(torch, "_weight_int4pack_mm_for_cpu"):
+            return Int8SplitCPU(qw, dtype)
+        if hasattr(torch, "_weight_int8pack_mm"):
+            return Int8RowsCPU(qw, dtype)
+    return QuantRef(qw)
+
+
+class QuantLinear(torch.nn.Module):
+    """y = x @ W^T + b with W a QuantWeight [N, K], held once in its device's packing (module doc)."""
+
+    def __init__(self, qw: QuantWeight, bias: torch.Tensor | None = None, dtype: torch.dtype = torch.bfloat16,
+                 scratch: Scratch | None = None, exact_codes: bool = False) -> None:
+        super().__init__()
+        self.shape = qw.shape
+        self.dtype = dtype
+        self.weight = pack_for(qw, dtype, exact_codes)
+        self.bias = None if bias is None else torch.nn.Parameter(bias.to(dtype).contiguous(), requires_grad=False)
+        self.scratch = scratch or Scratch()
+        self.on_cuda = qw.device.type == "cuda"
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """x [T, K] (+ residual [T, N]) -> [T, N]"""
+        if self.on_cuda:
+            from kvtier.kernels.wq_matmul import wq_linear  # written alongside; CUDA only
+            return wq_linear(x, self.weight.qw, self.bias, residual)
+        y = self.weight.gemv(x) if x.shape[0] <= CPU_GEMV_MAX_ROWS else None
+        if y is None:
+            y = self._dense_matmul(x)
+        if self.bias is not None:
+            y = y.add_(self.bias)
+        return y if residual is None else y.add_(residual)
+
+    def add_to(self, residual: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """residual [T, N] + x [T, K] @ W^T (+ b)."""
+        return self.forward(x, residual)
+
+    def _dense_matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """Dequantize CPU_SCRATCH_ELEMS weights at a time into the shared scratch, dense GEMM each."""
+        n, k = self.shape
+        align = self.weight.row_align
+        step = max(align, CPU_SCRATCH_ELEMS // k // align * align)
+        if step >= n:
+            w = self.scratch.get(n, k, x.dtype, x.device)
+            self.weight.dequantize_into(0, n, w)
+            return F.linear(x, w)
+        out = x.new_empty(x.shape[0], n)
+        for r0 in range(0, n, step):
+            r1 = min(n, r0 + step)
+            w = self.scratch.get(r1 - r0, k, x.dtype, x.device)
+            self.weight.dequantize_into(r0, r1, w)
+            out[:, r0:r1] = F.linear(x, w)
+        return out
+
+    def rows(self, idx: torch.Tensor) -> torch.Tensor:
+        """Dense rows [T, K] of W (a tied embedding's lookup)."""
+        return self.weight.rows(idx, self.dtype)
+
+    def decode_bytes(self) -> int:
+        """Bytes one small-batch step reads: the packed weight and the bias."""
+        bias = 0 if self.bias is None else self.bias.numel() * self.bias.element_size()
+        return self.weight.nbytes() + bias
+
+
+class FusedParts(torch.nn.Module):
+    """Projections of one input that cannot share one matmul (their formats differ): each part runs
+    on its own and the outputs are concatenated, in the order given."""
+
+    def __init__(self, parts: list[torch.nn.Module]) -> None:
+        super().__init__()
+        self.parts = torch.nn.ModuleList(parts)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([p(x) for p in self.parts], dim=-1)
+
+    def add_to(self, residual: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        return self.forward(x).add_(residual)
+
+    def decode_bytes(self) -> int:
+        return sum(p.decode_bytes() for p in self.parts)
+
+
+def make_linear(weights: list[torch.Tensor | QuantWeight], biases: list[torch.Tensor] | None,
+                dtype: torch.dtype, scratch: Scratch | None = None, exact_codes: bool = False) -> torch.nn.Module:
+    """One layer computing the stacked projections `weights` (each [N_i, K]) of one input.
+
+    Dense tensors -> Linear / FusedLinear; QuantWeights of one bits and group -> one QuantLinear
+    over their rows stacked; otherwise runs of like parts behind FusedParts.
+    """
+    from kvtier.layers.linear import FusedLinear, Linear
+
+    def kind(w: torch.Tensor | QuantWeight) -> tuple:
+        return ("q", w.bits, w.group) if isinstance(w, QuantWeight) else ("dense",)
+
+    runs: list[tuple[tuple, list[int]]] = []
+    for i, w in enumerate(weights):
+        if runs and runs[-1][0] == kind(w):
+            runs[-1][1].append(i)
+        else:
+            runs.append((kind(w), [i]))
+    layers = []
+    for k, idx in runs:
+        ws = [weights[i] for i in idx]
+        bs = None if biases is None else [biases[i] for i in idx]
+        if k[0] == "dense":
+            layers.append(Linear(ws[0], bs[0] if bs else None) if len(ws) == 1 else FusedLinear(ws, bs))
+        else:
+            qw = ws[0] if len(ws) == 1 else cat_rows(ws)
+            layers.append(QuantLinear(qw, None if bs is None else torch.cat(bs), dtype, scratch, exact_codes))
+    return layers[0] if len(layers) == 1 else FusedParts(layers)
+
+
+def cat_rows(parts: list[QuantWeight]) -> QuantWeight:
+    """QuantWeights of one K, bits and group stacked along N (a fused qkv / gate_up)."""
+    first = parts[0]
+    if any(p.bits != first.bits or p.group != first.group or p.shape[1] != first.shape[1] for p in parts):
+        raise ValueError("cat_rows: parts must share bits, group and K")
+    mins = None
+    if any(p.mins is not None for p in parts):  # a symmetric part gets zero mins
+        mins = torch.cat([p.mins if p.mins is not None else torch.zeros_like(p.scales) for p in parts])
+    return QuantWeight(first.bits, first.group, torch.cat([p.qweight for p in parts]),
+                       torch.cat([p.scales for p in parts]), mins)
