@@ -13,7 +13,10 @@ from kvtier.config import ModelSpec
 from kvtier.kv.formats import make_format
 from kvtier.models.hub import sha256_file
 from kvtier.models.loading.base import ModelFileError
-from kvtier.models.loading.gguf import read_gguf_header, spec_from_gguf
+from kvtier.layers.qlinear import INT4PACK_BLOCK_N, INT4PACK_GROUPS
+from kvtier.models.loading.gguf import GGUFHeader, read_gguf_header, spec_from_gguf
+from kvtier.models.loading.repack import ASYMMETRIC, REPACKS
+from kvtier.models.registry import gguf_to_hf_name
 from kvtier.models.loading.safetensors import (check_safetensors_file, read_config, shard_files,
                                                spec_from_config)
 
@@ -30,12 +33,14 @@ def inspect_model(path: str | Path, with_sha256: bool = True) -> dict[str, Any]:
     num_kv_heads, head_dim, vocab_size, context_length, tie_word_embeddings, attention_bias,
     qk_norm, rope_theta, quant_types {type: tensor count}, n_tensors, n_params, file_size,
     sha256 (None for directories or with_sha256=False), weights_bytes (as stored),
-    weights_bf16_bytes, kv_bytes_per_1k {fmt: bytes}.
+    weights_bf16_bytes, resident_bytes {device: bytes the engine's default load holds},
+    kv_bytes_per_1k {fmt: bytes}.
     """
     path = Path(path)
     if path.is_dir():
         spec, quant, n_params, stored, size, fmt = _inspect_hf(path)
         digest = None
+        resident = {"cpu": 2 * n_params, "cuda": 2 * n_params}  # dense bf16
     else:
         header = read_gguf_header(path)
         spec = spec_from_gguf(header)
@@ -44,6 +49,7 @@ def inspect_model(path: str | Path, with_sha256: bool = True) -> dict[str, Any]:
         stored = sum(t.nbytes for t in header.tensors)
         size, fmt = header.file_size, "gguf"
         digest = sha256_file(path) if with_sha256 else None
+        resident = gguf_resident_bytes(header, spec)
     return {
         "path": str(path), "format": fmt, "arch": spec.arch, "name": spec.name,
         "hidden_size": spec.hidden_size, "intermediate_size": spec.intermediate_size,
@@ -53,9 +59,41 @@ def inspect_model(path: str | Path, with_sha256: bool = True) -> dict[str, Any]:
         "attention_bias": spec.attention_bias, "qk_norm": spec.qk_norm, "rope_theta": spec.rope_theta,
         "quant_types": dict(sorted(quant.items(), key=lambda kv: -kv[1])),
         "n_tensors": sum(quant.values()), "n_params": n_params, "file_size": size, "sha256": digest,
-        "weights_bytes": stored, "weights_bf16_bytes": 2 * n_params,
+        "weights_bytes": stored, "weights_bf16_bytes": 2 * n_params, "resident_bytes": resident,
         "kv_bytes_per_1k": kv_bytes_per_1k(spec),
     }
+
+
+def gguf_resident_bytes(header: GGUFHeader, spec: ModelSpec) -> dict[str, int]:
+    """Weight bytes the engine holds after loading a GGUF as stored (models/loading/repack.py), by
+    device: "cuda" the QuantWeight layout itself; "cpu" (bf16) the packings of layers/qlinear.py
+    (int4pack for 4-bit groups of 32+, per-row int8 for other 8-bit matmuls, the lm_head's 8-bit
+    codes as two int4pack halves; an untied embedding stays a QuantWeight). Dense tensors: bf16."""
+    cuda = cpu = 0
+    for t in header.tensors:
+        hf = gguf_to_hf_name(t.name)
+        if hf is None:
+            continue
+        numel = _numel(t.shape)
+        if t.qtype not in REPACKS or len(t.shape) != 2:
+            cuda, cpu = cuda + 2 * numel, cpu + 2 * numel
+            continue
+        bits, group, _ = REPACKS[t.qtype]
+        n, k = t.torch_shape
+        has_min = t.qtype in ASYMMETRIC
+        qw = numel * bits // 8 + n * (k // group) * 2 * (2 if has_min else 1)
+        cuda += qw
+        head = hf == "lm_head.weight" or (hf == "model.embed_tokens.weight" and spec.tie_word_embeddings)
+        int4pack = (-(-n // INT4PACK_BLOCK_N) * INT4PACK_BLOCK_N) * (k // 2 + (k // max(group, 1)) * 4)
+        if hf == "model.embed_tokens.weight" and not spec.tie_word_embeddings:
+            cpu += qw
+        elif bits == 4 and group in INT4PACK_GROUPS:
+            cpu += int4pack
+        elif head and bits == 8 and group in INT4PACK_GROUPS:
+            cpu += 2 * int4pack
+        else:
+            cpu += numel + 2 * n
+    return {"cpu": cpu, "cuda": cuda}
 
 
 def kv_bytes_per_1k(spec: ModelSpec) -> dict[str, int]:
@@ -107,6 +145,7 @@ def format_inspect(d: dict[str, Any]) -> Group:
         ("parameters", f"{d['n_params'] / 1e6:,.1f} M"), ("file size", _mib(d["file_size"])),
         ("sha256", d["sha256"] or "-"),
         ("weights as stored", _mib(d["weights_bytes"])), ("weights at bf16", _mib(d["weights_bf16_bytes"])),
+        ("weights resident", ", ".join(f"{_mib(n)} on {dev}" for dev, n in d["resident_bytes"].items())),
     ]
     for k, v in rows:
         facts.add_row(k, str(v))
