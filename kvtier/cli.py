@@ -27,6 +27,9 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
                    help="weights/activations (auto: bf16 on CUDA and bf16-capable CPUs, else fp32)")
     p.add_argument("--decode-weights", default="auto", choices=("auto", "dense", "int8"),
                    help="small-batch matmuls: int8 weight copy (auto: on CPU with bf16)")
+    p.add_argument("--weights", default="auto", choices=("auto", "bf16", "int8", "int4"),
+                   help="matmul weights as loaded (auto: a GGUF's own quantized format, safetensors "
+                        "dense; int8/int4: round-to-nearest at load)")
     p.add_argument("--kv-dtype", default="auto")
     p.add_argument("--attention-backend", default="auto", choices=("auto", "dense", "triton"),
                    help="attention kernels (auto: triton on CUDA, else the dense reference)")
@@ -53,7 +56,7 @@ def _engine_config(a: argparse.Namespace) -> EngineConfig:
     return EngineConfig(device=a.device, dtype=a.dtype, max_batch=a.max_batch,
                         prefill_chunk=a.prefill_chunk, max_model_len=a.max_model_len,
                         cache=cache, threads=a.threads, decode_threads=a.decode_threads,
-                        decode_weights=a.decode_weights,
+                        decode_weights=a.decode_weights, weights=a.weights,
                         attention_backend=a.attention_backend, cuda_graphs=a.cuda_graphs)
 
 

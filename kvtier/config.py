@@ -106,6 +106,9 @@ class EngineConfig:
     decode_threads: int | None = None
     # Small-batch matmul weights: auto = an int8 copy on CPU with bf16 (layers/linear.py), else dense
     decode_weights: str = "auto"
+    # Matmul weights as loaded (models/loading): auto = the file's own format for GGUF (dense with
+    # --decode-weights dense), bf16 (dense) for safetensors; int8 / int4 = quantize_rtn at load
+    weights: str = "auto"
     # layers/backends.py: auto = the fastest the device supports (triton on CUDA, else dense)
     attention_backend: str = "auto"
     # CUDA graphs for decode steps (engine/cuda_graph.py): auto = on where the device and the
@@ -119,6 +122,8 @@ class EngineConfig:
             raise ValueError(f"cuda_graphs must be auto|on|off, got {self.cuda_graphs!r}")
         if self.decode_weights not in ("auto", "dense", "int8"):
             raise ValueError(f"decode_weights must be auto|dense|int8, got {self.decode_weights!r}")
+        if self.weights not in ("auto", "bf16", "int8", "int4"):
+            raise ValueError(f"weights must be auto|bf16|int8|int4, got {self.weights!r}")
         if self.device not in DEVICES:
             raise ValueError(f"device must be one of {', '.join(DEVICES)}, got {self.device!r}")
         if self.dtype not in ("auto", "fp32", "bf16", "fp16"):

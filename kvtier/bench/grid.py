@@ -81,7 +81,7 @@ def run_batch(engine, prompts: list[list[int]], gen: int) -> tuple[float, float,
 
 def run_grid(a: argparse.Namespace, config: EngineConfig) -> int:
     """config: the EngineConfig the command line asked for; the grid varies its KV format."""
-    from kvtier.bench.shapes import kvtier_from_hf, random_hf_model
+    from kvtier.bench.shapes import random_model
     from kvtier.engine.build import DTYPES, prepare_model, resolve_device
     from kvtier.engine.engine import Engine
     from kvtier.kv.formats import make_format
@@ -92,8 +92,8 @@ def run_grid(a: argparse.Namespace, config: EngineConfig) -> int:
         raise ValueError("the grid bench runs on a random-weight --shape")
     base = resolve_device(config)
     dev, dt = torch.device(base.device), DTYPES[base.dtype]
-    hf = random_hf_model(a.shape, dt, dev)
-    net = prepare_model(kvtier_from_hf(hf, dt, dev), base)
+    hf, net = random_model(a.shape, dt, dev)
+    net = prepare_model(net, base)
     spec = net.spec
     bw = measure_bandwidth(dev)
     wbytes = net.decode_weight_bytes()
@@ -123,7 +123,7 @@ def run_grid(a: argparse.Namespace, config: EngineConfig) -> int:
                 rows.append(GridRow("kvtier", kv, ctx, b, ttft, b * ctx / ttft, (n - b) / dec_s,
                                     wbytes + b * mean_ctx * kvpt, bw))
                 console.print(_fmt(rows[-1]))
-                if i == 0 and b == 1 and not a.no_hf:
+                if i == 0 and b == 1 and not a.no_hf and hf is not None:
                     r = bench_hf_model(hf, prompts[0], a.gen_tokens, dev, bw)
                     hf_bytes = r.weight_bytes + mean_ctx * 2 * spec.num_layers * spec.num_kv_heads \
                         * spec.head_dim * torch.empty((), dtype=dt).element_size()

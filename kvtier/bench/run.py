@@ -203,12 +203,12 @@ def _build(a: argparse.Namespace, config: EngineConfig):
     from kvtier.models.hub import resolve_model
 
     if a.shape:
-        from kvtier.bench.shapes import kvtier_from_hf, random_hf_model
+        from kvtier.bench.shapes import random_model
 
         cfg = resolve_device(config)
         dev, dt = torch.device(cfg.device), DTYPES[cfg.dtype]
-        hf = random_hf_model(a.shape, dt, dev)
-        net = prepare_model(kvtier_from_hf(hf, dt, dev), cfg)
+        hf, net = random_model(a.shape, dt, dev)  # hf None for a 4-bit shape
+        net = prepare_model(net, cfg)
         engine = Engine(net, None, cfg, model_name=f"random-{a.shape}")
         ids = synthetic_ids(a.prompt_tokens, net.spec.vocab_size, 31)
         return engine, hf, ids
@@ -233,7 +233,7 @@ def run_bench(a: argparse.Namespace, config: EngineConfig) -> int:
                         f"{hit * 1000:.1f} ms ({cold / hit:.1f}x)\n")
         return 0
     results = [bench_kvtier(engine, ids, a.gen_tokens, bw)]
-    if not a.no_hf:
+    if not a.no_hf and ref is not None:
         if isinstance(ref, Path):
             dtypes = [DTYPES[engine.config.dtype]]
             if engine.device.type == "cpu" and torch.float32 not in dtypes:

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import torch
 
-from kvtier.models.shapes import SHAPES
+from kvtier.layers.qweight import INT4_LEVELS, SCALE_DTYPE, QuantWeight
+from kvtier.models.shapes import QUANT_SHAPES, SHAPES
 
 # Std of the random init: small enough that activations stay finite through 36 layers in bf16.
 INIT_STD = 0.02
@@ -45,3 +46,43 @@ def kvtier_from_hf(hf_model, dtype: torch.dtype, device: torch.device):
     if spec.tie_word_embeddings:
         tensors.pop("lm_head.weight", None)
     return Decoder.from_tensors(spec, tensors, dtype=dtype, device=device)
+
+
+def random_quant_decoder(name: str, dtype: torch.dtype, device: torch.device, seed: int = 0):
+    """A kvtier Decoder of a QUANT_SHAPES shape whose matrices are random QuantWeights made on `device`
+    (codes uniform, scales giving weights of std ~INIT_STD); norms 1, biases 0. No HF model."""
+    from kvtier.models.decoder import Decoder
+    from kvtier.models.loading.safetensors import spec_from_config
+    from kvtier.models.registry import expected_shapes, optional_shapes
+
+    base, bits, group = QUANT_SHAPES[name]
+    spec = spec_from_config(dict(SHAPES[base]), f"<shape {name}>")
+    g = torch.Generator(device=device).manual_seed(seed)
+    # uniform codes 0..15 have std ~4.6 levels: the step that gives weights of std INIT_STD
+    step = INIT_STD / 4.6 if bits == 4 else INIT_STD / 73.0
+    tensors: dict[str, torch.Tensor | QuantWeight] = {}
+    for n, shape in (expected_shapes(spec) | optional_shapes(spec)).items():
+        if n not in expected_shapes(spec):
+            continue
+        if len(shape) == 1:
+            tensors[n] = (torch.ones if "norm" in n else torch.zeros)(shape, dtype=dtype, device=device)
+            continue
+        rows, cols = shape
+        if bits == 4:
+            q = torch.randint(0, 256, (rows, cols // 2), dtype=torch.uint8, device=device, generator=g)
+            mins = torch.full((rows, cols // group), -step * INT4_LEVELS / 2, dtype=SCALE_DTYPE, device=device)
+        else:
+            q = torch.randint(-127, 128, (rows, cols), dtype=torch.int8, device=device, generator=g)
+            mins = None
+        scales = torch.full((rows, cols // group), step, dtype=SCALE_DTYPE, device=device)
+        tensors[n] = QuantWeight(bits, group, q, scales, mins)
+    return Decoder.from_tensors(spec, tensors, dtype=dtype, device=device, consume=True)
+
+
+def random_model(name: str, dtype: torch.dtype, device: torch.device):
+    """(HF model or None, kvtier Decoder) of a named shape: QUANT_SHAPES as random QuantWeights
+    (no HF reference), the others from one random HF model."""
+    if name in QUANT_SHAPES:
+        return None, random_quant_decoder(name, dtype, device)
+    hf = random_hf_model(name, dtype, device)
+    return hf, kvtier_from_hf(hf, dtype, device)

@@ -27,12 +27,24 @@ def resolve_device(config: EngineConfig) -> EngineConfig:
     dtype = config.dtype
     if dtype == "auto":
         dtype = "bf16" if device == "cuda" or cpu_has_native_bf16() else "fp32"
+    # "int8": quantized small-batch weights (CPU kernels with bf16; on CUDA the wq_matmul kernels)
+    quantized_ok = device == "cuda" or int8_gemv_supported(torch.device(device), DTYPES[dtype])
     decode_weights = config.decode_weights
     if decode_weights == "auto":
-        decode_weights = "int8" if int8_gemv_supported(torch.device(device), DTYPES[dtype]) else "dense"
-    elif decode_weights == "int8" and not int8_gemv_supported(torch.device(device), DTYPES[dtype]):
+        decode_weights = "int8" if quantized_ok else "dense"
+    elif decode_weights == "int8" and not quantized_ok:
         raise ValueError(f"int8 decode weights need bf16 on CPU (got {dtype} on {device})")
+    if decode_weights == "dense" and config.weights in ("int8", "int4"):
+        raise ValueError(f"--weights {config.weights} quantizes the weights; --decode-weights dense asks for dense ones")
     return replace(config, device=device, dtype=dtype, decode_weights=decode_weights)
+
+
+def load_mode(config: EngineConfig) -> str:
+    """The loader's `weights` (models/loading/base.py LOAD_WEIGHTS) for a resolved config:
+    a GGUF's own blocks unless dense decode weights were asked for."""
+    if config.weights == "auto":
+        return "dense" if config.decode_weights == "dense" else "stored"
+    return {"bf16": "dense", "int8": "int8", "int4": "int4"}[config.weights]
 
 
 def cpu_has_native_bf16() -> bool:
@@ -44,13 +56,19 @@ def cpu_has_native_bf16() -> bool:
 
 
 def prepare_model(net, config: EngineConfig, source_types: dict[str, str] | None = None):
-    """Apply the resolved config's weight options to a built Decoder.
+    """Apply the resolved config's weight options to a built Decoder: on CPU, int8 / int4 decode
+    copies of the matmuls still dense (a safetensors or `--weights bf16` model; QuantLinear layers
+    hold their one packed copy already).
 
     source_types (HF tensor name -> checkpoint quant type) lets 4-bit GGUF tensors decode as int4.
     """
-    if config.decode_weights == "int8":
+    if config.decode_weights == "int8" and config.device == "cpu":
         net.enable_int8_gemv(source_types)
     return net
+
+
+def _mib(by_device: dict[str, int]) -> str:
+    return ", ".join(f"{n / 2**20:,.0f} MiB on {d}" for d, n in by_device.items())
 
 
 def build_engine(model: str, config: EngineConfig | None = None, show_progress: bool = True,
@@ -70,8 +88,8 @@ def build_engine(model: str, config: EngineConfig | None = None, show_progress: 
     t0 = time.monotonic()
     with Progress(*cols, console=console, transient=True, disable=not show_progress) as prog:
         task = prog.add_task(f"reading {Path(path).name}", total=3)
-        # each tensor dequantized and cast to the compute dtype as it is read (not all in fp32 first)
-        ckpt = load_checkpoint(path, dtype=DTYPES[config.dtype])
+        # one tensor at a time, in the file's own quantized format (or cast to the compute dtype)
+        ckpt = load_checkpoint(path, dtype=DTYPES[config.dtype], weights=load_mode(config))
         prog.update(task, advance=1, description="building model")
         dev = torch.device(config.device)
         net = Decoder.from_tensors(ckpt.spec, ckpt.tensors, dtype=DTYPES[config.dtype], device=dev, consume=True)
@@ -87,7 +105,8 @@ def build_engine(model: str, config: EngineConfig | None = None, show_progress: 
         spec = ckpt.spec
         console.print(f"[green]loaded[/] {name}: {spec.arch}, {spec.num_layers} layers, "
                       f"hidden {spec.hidden_size}, on {config.device} ({config.dtype}"
-                      f"{', int8/int4 decode weights' if config.decode_weights == 'int8' else ''}) "
+                      f"{', int8/int4 decode weights' if config.decode_weights == 'int8' else ''}; "
+                      f"weights {_mib(net.weight_bytes())}) "
                       f"in {time.monotonic() - t0:.1f}s; KV {engine.kv_format}, "
                       f"{engine.pool.num_pages} pages x {config.cache.page_size} tokens")
     return engine
