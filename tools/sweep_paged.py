@@ -64,6 +64,7 @@ def main() -> None:
     pages = max(b * c for b, c in CASES) // PS
     pools = {n: pool_for(n, pages) for n in ("bf16", "int8", "k8v4", "int4")}
     base = (pa.NUM_WARPS, pa.NUM_STAGES, pa.TILE_BYTES, pa.PROGRAMS_PER_SM)
+    long_tile = pa.LONG_TILE_BYTES
     print(f"default warps/stages/tile/programs-per-SM = {base}")
     variants = itertools.product((4, 8), (2, 3), (8192, 16384, 32768), (4,))
     if "--default" in sys.argv:
@@ -72,6 +73,7 @@ def main() -> None:
         variants = [base, (4, 2, 32768, 4), (8, 2, 32768, 4), (8, 3, 32768, 4)]
     for warps, stages, tile, pps in variants:
         pa.NUM_WARPS, pa.NUM_STAGES, pa.TILE_BYTES, pa.PROGRAMS_PER_SM = warps, stages, tile, pps
+        pa.LONG_TILE_BYTES = long_tile if tile == base[2] else tile  # a variant row: one tile everywhere
         row = []
         for name, pool in pools.items():
             for batch, ctx in CASES:
@@ -85,6 +87,7 @@ def main() -> None:
                 row.append(f"{name} B{batch} {ctx // 1024}K s{splits} {us:7.1f}us {gbs:5.0f}GB/s")
         print(f"warps {warps} stages {stages} tile {tile:5d} pps {pps}: " + " | ".join(row), flush=True)
     pa.NUM_WARPS, pa.NUM_STAGES, pa.TILE_BYTES, pa.PROGRAMS_PER_SM = base
+    pa.LONG_TILE_BYTES = long_tile
 
 
 if __name__ == "__main__":

@@ -58,6 +58,12 @@ Sink = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 # bf16. Compiled for sm_90 offline: 80-140 registers a thread, no spills, for every format at
 # D = 64..256; fp32 at twice this spilled (D = 64: 128 B, D = 256: 5 KB of stack).
 TILE_BYTES = 16384
+# Plain (bf16) pages split at most LONG_LOOP_SPLITS ways (large batches: every program walks a
+# long stretch) take twice the tile. H200, tools/sweep_paged.py --few, B = 32 at 8K (3 splits):
+# bf16 311.6 -> 262.9 us; the code formats got slower (int8 267.8 -> 299.2 us), and so did every
+# format at B = 1, 32K (64 splits of 512 tokens: bf16 45.0 -> 49.2 us).
+LONG_TILE_BYTES = 32768
+LONG_LOOP_SPLITS = 4
 # Tokens per iteration at most (D <= 64): longer tiles add registers, not bandwidth.
 MAX_BLOCK_N = 128
 # Query rows of one kv head are padded to this for tl.dot: Triton pads smaller M to an mma tile
@@ -319,9 +325,9 @@ def _is_pow2(n: int) -> bool:
     return n > 0 and n & (n - 1) == 0
 
 
-def pages_per_tile(head_dim: int, page_size: int, elem_bytes: int) -> int:
+def pages_per_tile(head_dim: int, page_size: int, elem_bytes: int, tile_bytes: int = 0) -> int:
     """Pages gathered per loop iteration: BLOCK_N = this * page_size tokens (~TILE_BYTES a tile)."""
-    tokens = min(MAX_BLOCK_N, TILE_BYTES // (head_dim * elem_bytes))
+    tokens = min(MAX_BLOCK_N, (tile_bytes or TILE_BYTES) // (head_dim * elem_bytes))
     return max(1, tokens // page_size)
 
 
@@ -333,10 +339,13 @@ def _codec_constants(fmt: KVFormat, head_dim: int, dtype: torch.dtype) -> dict[s
 
 
 def split_constants(fmt: KVFormat, head_dim: int, page_size: int, gqa: int, dtype: torch.dtype,
-                    has_sink: bool, single: bool) -> dict[str, object]:
-    """The tl.constexpr arguments of the split kernel (one compiled variant per distinct dict)."""
-    return dict(S=page_size, D=head_dim, G_PAD=max(MIN_DOT_ROWS, _pow2(gqa)),
-                PAGES=pages_per_tile(head_dim, page_size, torch.empty((), dtype=dtype).element_size()),
+                    has_sink: bool, single: bool, num_splits: int = 0) -> dict[str, object]:
+    """The tl.constexpr arguments of the split kernel (one compiled variant per distinct dict).
+    Plain pages with few splits (long loops: large batches) take LONG_TILE_BYTES tiles."""
+    long_loops = not fmt.quantized and 0 < num_splits <= LONG_LOOP_SPLITS
+    pages = pages_per_tile(head_dim, page_size, torch.empty((), dtype=dtype).element_size(),
+                           LONG_TILE_BYTES if long_loops else TILE_BYTES)
+    return dict(S=page_size, D=head_dim, G_PAD=max(MIN_DOT_ROWS, _pow2(gqa)), PAGES=pages,
                 HAS_SINK=has_sink, SINGLE=single, **_codec_constants(fmt, head_dim, dtype))
 
 
@@ -422,7 +431,7 @@ def paged_decode(q: torch.Tensor, st: dict[str, torch.Tensor], fmt: KVFormat, bl
         q, st["k"], st.get("k_scale", st["k"]), st["v"], st.get("v_scale", st["v"]), block_table, seq_lens,
         sk.contiguous(), sv.contiguous(), slot, dst, lse, scale * LOG2E, q.stride(0), q.stride(1),
         block_table.stride(0), *strides, hkv, hq // hkv, num_splits,
-        **split_constants(fmt, d, s, hq // hkv, q.dtype, sink is not None, single),
+        **split_constants(fmt, d, s, hq // hkv, q.dtype, sink is not None, single, num_splits),
         num_warps=NUM_WARPS, num_stages=NUM_STAGES)
     if not single:
         _merge_kernel[(bsz, hq)](dst, lse, out, out.stride(0), out.stride(1), hq, num_splits, D=d,
