@@ -54,6 +54,7 @@ and every kernel is tested against (tests/layers/wq_matmul_cases.py, tests/gpu/t
 from __future__ import annotations
 
 import functools
+import os
 from dataclasses import dataclass
 
 import torch
@@ -63,6 +64,7 @@ from kvtier.layers.qweight import QuantWeight
 try:
     import triton
     import triton.language as tl
+    from kvtier.kernels.wq_kernels import _epilogue, _gemv_kernel
     HAVE_TRITON = True
 except ImportError:  # CPU-only installs: the reference path only
     HAVE_TRITON = False
@@ -70,6 +72,16 @@ except ImportError:  # CPU-only installs: the reference path only
 # Rows of x up to which the skinny kernel runs: batch-32 decode reads W once for all 32 rows
 # in one m32 tile; above it the GEMM's 64+ row tiles reuse W better.
 SKINNY_MAX_M = 32
+# Rows of x up to which `wq_gemv` (half2 CUDA cores, one x row per program, the M programs of a row
+# block sharing its codes through L2) runs: each row costs ~2.6 (4-bit) / ~4 (8-bit) SASS
+# instructions a code byte (static count of its loop), so 4 rows is ~10-16 a byte, about what the
+# SMs issue at full bandwidth; larger M takes the tensor-core skinny path.
+GEMV_MAX_M = 4
+# Programs `choose_gemv_block_n` aims at per SM (x is converted once per program: fewer, longer
+# programs waste less of it; small layers need the parallelism).
+GEMV_PROGRAMS_PER_SM = 2
+# Rows of W per gemv program at most (an x slice converted once serves them all).
+GEMV_MAX_BLOCK_N = 64
 # Rows of x up to which the skinny kernel multiply-sums on CUDA cores by default: each extra
 # row adds an FMA per weight to ~5 ALU ops of unpacking, while the tensor-core path pads x to
 # 16 rows for free; 1 until the sweep says otherwise.
@@ -102,6 +114,8 @@ MAX_FMA_BLOCK_M = 1
 FP32_DOT = "tf32x3"
 # Programs per SM assumed off CUDA (the interpreter), so split-K has a capacity to aim at.
 INTERPRETER_SMS = 2
+# The Triton interpreter runs no inline PTX: `wq_gemv` then computes its sums in plain Triton.
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @dataclass(frozen=True)
@@ -135,6 +149,19 @@ class GemmConfig:
     cvt: str = "unit"  # "cvt", "magic" or "unit" (module docstring)
 
 
+@dataclass(frozen=True)
+class GemvConfig:
+    """Launch parameters of `wq_gemv` (kvtier/kernels/wq_kernels.py): block_n rows of W per program
+    (0: `choose_gemv_block_n`), `rows` per loop step (one per warp), K slice = chunks (per thread,
+    a power of two) x lanes x 16-byte chunks; fewer chunks: more K splits."""
+
+    block_n: int = 0
+    lanes: int = 32
+    chunks: int = 4
+    num_warps: int = 4
+    prefetch: bool = True
+
+
 # Defaults by regime (to be replaced by the sweep's winners, tools/sweep_wq.py).
 FMA_CONFIG = SkinnyConfig()
 # Tensor-core path: [64, 128] code tiles keep it near 128 registers (sm_90 offline build, M = 32:
@@ -143,6 +170,9 @@ DOT_CONFIG = SkinnyConfig(block_n=64, block_k=128, use_dot=True, group_scale=Fal
 # SkinnyConfig/GemmConfig.cvt -> the kernels' CVT constexpr.
 CVT_MODES = {"cvt": 0, "magic": 1, "unit": 2}
 GEMM_CONFIG = GemmConfig()
+# Half2 CUDA-core decode (M <= GEMV_MAX_M): 4 chunks a thread hold 4 x 16 fp16 pairs of x (64
+# registers; 128 registers in all, no spills, offline sm_90 build); 8-bit chunks are 16 codes.
+GEMV_CONFIG = GemvConfig()
 
 
 # ---------------------------------------------------------------- plain-PyTorch reference
@@ -188,6 +218,8 @@ def wq_linear(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None = None,
     if not (HAVE_TRITON and x.is_cuda and w.device == x.device and kernel_supports(w)):
         return wq_linear_reference(x, w, bias, residual)
     m = x.shape[0]
+    if m <= GEMV_MAX_M and gemv_supports(x, w):
+        return wq_gemv(x, w, bias, residual, GEMV_CONFIG)
     if m <= SKINNY_MAX_M:
         return wq_skinny(x, w, bias, residual, FMA_CONFIG if m <= FMA_MAX_M else DOT_CONFIG)
     if m < DEQUANT_MIN_M:
@@ -326,16 +358,6 @@ if HAVE_TRITON:
         q = _codes_f32(_load_codes(q_ptr, rows, k0, K, BITS, BLOCK_K, WORDS), BITS, R, BLOCK_K, WORDS, CVT)
         sc, mn = _load_groups(s_ptr, mn_ptr, rows, k0, K, GROUP, BLOCK_K // GROUP, HAS_MINS)
         return _apply_groups(q, sc, mn, BITS, GROUP, HAS_MINS, CVT)
-
-    @triton.jit
-    def _epilogue(acc, n, m, mask, b_ptr, r_ptr, y_ptr, N, stride_rm, HAS_BIAS: tl.constexpr,
-                  HAS_RES: tl.constexpr):
-        """y[m, n] = acc (+ bias[n]) (+ residual[m, n]) rounded once; n, m broadcast to acc's shape."""
-        if HAS_BIAS:
-            acc += tl.load(b_ptr + n, mask=n < N, other=0.0).to(tl.float32)
-        if HAS_RES:
-            acc += tl.load(r_ptr + m.to(tl.int64) * stride_rm + n, mask=mask, other=0.0).to(tl.float32)
-        tl.store(y_ptr + m.to(tl.int64) * N + n, acc.to(y_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit(do_not_specialize=["M", "split_len"])
     def _skinny_kernel(x_ptr, q_ptr, s_ptr, mn_ptr, b_ptr, r_ptr, y_ptr, p_ptr, M, N, K, split_len,
@@ -573,6 +595,66 @@ def wq_skinny(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None = None,
                          BLOCK_N=cfg.block_n, BLOCK_M=block_m, BLOCK_K=block_k, PARTIAL=split > 1,
                          USE_DOT=cfg.use_dot, GROUP_SCALE=cfg.group_scale, WORDS=words, CVT=CVT_MODES[cfg.cvt],
                          PREFETCH=cfg.prefetch, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **const)
+    if split > 1:
+        _reduce_kernel[(mrows, triton.cdiv(n, REDUCE_BLOCK))](
+            part, b, r, y, mrows, n, split, stride_rm, HAS_BIAS=bias is not None, HAS_RES=residual is not None,
+            BLOCK=REDUCE_BLOCK, num_warps=4)
+    return y
+
+
+def gemv_supports(x: torch.Tensor, w: QuantWeight, lanes: int = 1) -> bool:
+    """`wq_gemv` takes: 16-bit x (fp16 pairs of x stand in for it; fp32 x keeps its precision on the
+    other paths), 16-byte chunks within one group (4-bit groups >= 32), contiguous 16-byte aligned
+    codes, K a whole number of lanes x chunks."""
+    chunk = 32 if w.bits == 4 else 16
+    q = w.qweight
+    return (x.dtype in (torch.float16, torch.bfloat16) and w.group >= chunk and kernel_supports(w)
+            and q.is_contiguous() and q.data_ptr() % 16 == 0 and w.shape[1] % (chunk * lanes) == 0)
+
+
+def gemv_slice(k: int, bits: int, cfg: GemvConfig) -> tuple[int, int]:
+    """(lanes, chunks a thread) of `wq_gemv`'s K slice: the configured ones, halved until they divide K."""
+    chunk = 32 if bits == 4 else 16
+    lanes = min(cfg.lanes, _pow2(k // chunk + 1) // 2)
+    while k % (lanes * chunk):
+        lanes //= 2
+    cpt = cfg.chunks
+    while k % (cpt * lanes * chunk):
+        cpt //= 2
+    return lanes, cpt
+
+
+def choose_gemv_block_n(m: int, n: int, split: int, rows: int, sms: int) -> int:
+    """Rows of W per gemv program: the largest power of two <= GEMV_MAX_BLOCK_N (and >= one step of
+    `rows`) that still gives GEMV_PROGRAMS_PER_SM programs per SM. Shapes only (graph-safe)."""
+    bn = GEMV_MAX_BLOCK_N
+    while bn > rows and m * -(-n // bn) * split < GEMV_PROGRAMS_PER_SM * sms:
+        bn //= 2
+    return max(bn, rows)
+
+
+def wq_gemv(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None = None,
+            residual: torch.Tensor | None = None, cfg: GemvConfig = GEMV_CONFIG) -> torch.Tensor:
+    """Half2 CUDA-core decode (kvtier/kernels/wq_kernels.py); any M works, one x row per program.
+    x [M, K] fp16 / bf16 -> [M, N] in x.dtype."""
+    y, const = _common(x, w, bias, residual)
+    (mrows, n), k = y.shape, w.shape[1]
+    if not gemv_supports(x, w):
+        raise ValueError(f"wq_gemv: takes fp16/bf16 x, contiguous aligned codes and 4-bit groups >= 32, got "
+                         f"{x.dtype}, {w.bits}-bit group {w.group}")
+    if mrows == 0:
+        return y
+    lanes, cpt = gemv_slice(k, w.bits, cfg)
+    split = k // (lanes * cpt * (32 if w.bits == 4 else 16))
+    rows = cfg.num_warps * max(1, 32 // lanes)  # one row per warp (lanes < 32: the rest of a warp takes rows)
+    block_n = cfg.block_n or choose_gemv_block_n(mrows, n, split, rows, _sm_count(x.device))
+    block_n = max(block_n, rows)
+    x, mins, b, r, stride_rm = _operands(x, w, y, bias, residual)
+    part = torch.empty((split, mrows, n), dtype=torch.float32, device=x.device) if split > 1 else y
+    grid = (mrows, triton.cdiv(n, block_n), split)
+    _gemv_kernel[grid](x, w.qweight.view(torch.int32), w.scales, mins, b, r, y, part, mrows, n, k, x.stride(0),
+                       stride_rm, BLOCK_N=block_n, ROWS=rows, LANES=lanes, CPT=cpt, PARTIAL=split > 1,
+                       PREFETCH=cfg.prefetch, ASM=not INTERPRETED, num_warps=cfg.num_warps, **const)
     if split > 1:
         _reduce_kernel[(mrows, triton.cdiv(n, REDUCE_BLOCK))](
             part, b, r, y, mrows, n, split, stride_rm, HAS_BIAS=bias is not None, HAS_RES=residual is not None,

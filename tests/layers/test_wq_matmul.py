@@ -97,7 +97,7 @@ def test_cpu_wq_linear_is_the_reference(monkeypatch: pytest.MonkeyPatch) -> None
     def no_kernel(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
         raise AssertionError("a kernel ran on CPU")
 
-    for name in ("wq_skinny", "wq_gemm", "wq_dequant_matmul"):
+    for name in ("wq_gemv", "wq_skinny", "wq_gemm", "wq_dequant_matmul"):
         monkeypatch.setattr(wq, name, no_kernel)
     g = cases.gen("cpu")
     w = cases.make_weight(24, 64, 4, 32, True, "cpu", g)
@@ -172,16 +172,18 @@ def test_default_kernels_compile_for_h200(bits: int, group: int, mins: bool, mon
         pytest.skip("interpreter mode: kernels are Python functions")
     pytest.importorskip("triton")
     launches: list = []
-    for name in ("_skinny_kernel", "_reduce_kernel", "_gemm_kernel", "_dequant_kernel"):
+    for name in ("_skinny_kernel", "_reduce_kernel", "_gemm_kernel", "_dequant_kernel", "_gemv_kernel"):
         monkeypatch.setattr(wq, name, _Capture(getattr(wq, name), launches))
     w = cases.make_weight(512, 4096, bits, group, mins, "cpu", cases.gen("h200", bits))
     split = dataclasses.replace(wq.FMA_CONFIG, split_k=4)
     dot = wq.DOT_CONFIG
-    for m, call in ((1, lambda x, w: wq.wq_skinny(x, w, cfg=split)), (32, lambda x, w: wq.wq_skinny(x, w, cfg=dot)),
+    monkeypatch.setattr(wq, "INTERPRETED", False)  # the inline-PTX build of wq_gemv
+    for m, call in ((1, wq.wq_gemv), (1, lambda x, w: wq.wq_gemv(x, w, cfg=wq.GemvConfig(chunks=1))),
+                    (1, lambda x, w: wq.wq_skinny(x, w, cfg=split)), (32, lambda x, w: wq.wq_skinny(x, w, cfg=dot)),
                     (300, wq.wq_gemm), (300, wq.wq_dequant_matmul)):
         call(torch.randn(m, 4096).to(torch.bfloat16), w)
     assert {k.fn.__name__ for k, _, _ in launches} == {"_skinny_kernel", "_reduce_kernel", "_gemm_kernel",
-                                                       "_dequant_kernel"}
+                                                       "_dequant_kernel", "_gemv_kernel"}
     for kernel, args, kw in launches:
         try:
             ptx = _compile_for_h200(kernel, args, dict(kw)).asm["ptx"]
@@ -189,3 +191,5 @@ def test_default_kernels_compile_for_h200(bits: int, group: int, mins: bool, mon
             pytest.skip(f"no ptxas: {e}")
         if kernel.fn.__name__ in ("_gemm_kernel",) or kw.get("USE_DOT"):
             assert "wgmma" in ptx or "mma.sync" in ptx
+        if kernel.fn.__name__ == "_gemv_kernel":
+            assert "fma.rn.f16x2" in ptx and "ld.global.v4" in ptx

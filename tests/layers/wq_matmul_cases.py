@@ -94,7 +94,20 @@ def paths(wq: ModuleType, interpreted: bool) -> dict[str, Callable]:
     def sk(cfg):  # noqa: ANN001, ANN202
         return lambda x, w, b, r: wq.wq_skinny(x, w, b, r, cfg)
 
+    g = wq.GemvConfig
+    if interpreted:  # K = 128: 4-bit 4 chunks of 32 codes, 8-bit 8 of 16
+        gemv, gemv_split = g(lanes=2, chunks=2, num_warps=1), g(lanes=2, chunks=1, num_warps=2, block_n=4)
+    else:
+        gemv, gemv_split = wq.GEMV_CONFIG, g(chunks=1, block_n=16)
+
+    def gv(cfg):  # noqa: ANN001, ANN202 (wq_gemv takes 16-bit x and 4-bit groups >= 32: the rest as the reference)
+        return lambda x, w, b, r: (wq.wq_gemv(x, w, b, r, cfg) if wq.gemv_supports(x, w)
+                                   else wq.wq_linear_reference(x, w, b, r))
+
     return {
+        "gemv": gv(gemv),
+        "gemv_split_no_prefetch": gv(replace(gemv_split, prefetch=False)),
+        "gemv_split": gv(gemv_split),
         "fma": sk(base),
         "fma_magic": sk(s(**tile, cvt="magic")),
         "fma_dequant_first": sk(s(**tile, group_scale=False)),
