@@ -1,0 +1,124 @@
+"""Models loaded with quantized weights (GGUF as stored, safetensors re-rounded) against their dense twins.
+
+The strongest check: a GGUF loaded as stored (QuantWeight, one copy) and run in fp32 (QuantRef:
+dequantize on use) gives the same logits as the same file dequantized to dense fp32, for every
+layout the loader repacks, llama's q/k row permutation included.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+
+from kvtier.layers.qlinear import FusedParts, Int4PackCPU, Int8RowsCPU, Int8SplitCPU, QuantLinear, QuantRef
+from kvtier.layers.qweight import QuantWeight, quantize_rtn
+from kvtier.models.decoder import Decoder
+from kvtier.models.loading import load_checkpoint
+
+from .gguf_factory import tiny_hf_model, write_gguf
+
+IDS = torch.tensor([3, 17, 42, 5, 77, 1, 9, 60])
+
+
+def logits(model: Decoder) -> torch.Tensor:
+    """Logits of every position of IDS in one prefill (the dense attention reference)."""
+    from tests.models.test_hf_equivalence import PagedHarness
+
+    h = PagedHarness(model, num_pages=8, page_size=16, dtype=model.dtype)
+    return h.step([(0, IDS.tolist())])[0].float()
+
+
+@pytest.mark.parametrize("arch,qtype", [("llama", Q.Q4_0), ("llama", Q.Q8_0), ("qwen2", Q.Q4_1),
+                                        ("qwen2", Q.Q5_0), ("qwen3", Q.Q5_1)])
+def test_stored_gguf_equals_dense(tmp_path: Path, arch: str, qtype: Q) -> None:
+    model, cfg = tiny_hf_model(arch, tied=arch == "qwen2")
+    path = write_gguf(tmp_path / "m.gguf", arch, cfg, model.state_dict(), qtype=qtype)
+    dense = load_checkpoint(path)
+    stored = load_checkpoint(path, weights="stored")
+    quant = [n for n, t in stored.tensors.items() if isinstance(t, QuantWeight)]
+    assert "model.layers.0.self_attn.q_proj.weight" in quant and "model.embed_tokens.weight" in quant
+    for n in quant:  # each QuantWeight is exactly the dequantized tensor (q/k rows un-permuted)
+        assert torch.equal(stored.tensors[n].dequantize(), dense.tensors[n]), n
+    ref = Decoder.from_tensors(dense.spec, dense.tensors, torch.float32, "cpu")
+    net = Decoder.from_tensors(stored.spec, stored.tensors, torch.float32, "cpu", consume=True)
+    assert not stored.tensors  # consumed
+    assert all(isinstance(m.weight, QuantRef) for m in net.modules() if isinstance(m, QuantLinear))
+    torch.testing.assert_close(logits(net), logits(ref), rtol=1e-4, atol=1e-4)
+
+
+def test_stored_gguf_bf16_cpu_packings(tmp_path: Path) -> None:
+    """bf16 on CPU: 4-bit matmuls as int4pack, 8-bit as per-row int8, the 8-bit head split; one copy."""
+    model, cfg = tiny_hf_model("qwen2")
+    sd = model.state_dict()
+    path = write_gguf(tmp_path / "m.gguf", "qwen2", cfg, sd, qtype=Q.Q4_1)
+    stored = load_checkpoint(path, torch.bfloat16, weights="stored")
+    stored.tensors["lm_head.weight"] = quantize_rtn(sd["lm_head.weight"], 8)
+    stored.tensors["model.layers.0.self_attn.v_proj.weight"] = quantize_rtn(
+        sd["model.layers.0.self_attn.v_proj.weight"], 8)
+    dense = {n: (t.dequantize() if isinstance(t, QuantWeight) else t) for n, t in stored.tensors.items()}
+    net = Decoder.from_tensors(stored.spec, stored.tensors, torch.bfloat16, "cpu", consume=True)
+    assert isinstance(net.layers[1].qkv.weight, Int4PackCPU)
+    assert isinstance(net.layers[0].qkv, FusedParts)  # q, k 4-bit fused; v 8-bit on its own
+    assert [type(p.weight) for p in net.layers[0].qkv.parts] == [Int4PackCPU, Int8RowsCPU]
+    assert isinstance(net.head.weight, Int8SplitCPU)
+    ref = Decoder.from_tensors(stored.spec, dense, torch.float32, "cpu")
+    got, want = logits(net), logits(ref)
+    assert float((got - want).abs().max()) < 0.05 * float(want.abs().max())
+    assert (got.argmax(-1) == want.argmax(-1)).float().mean() >= 0.75
+
+
+@pytest.mark.parametrize("weights,bits", [("int8", 8), ("int4", 4)])
+def test_safetensors_quantized_at_load(tmp_path: Path, weights: str, bits: int) -> None:
+    model, _ = tiny_hf_model("qwen3")
+    model.save_pretrained(tmp_path)
+    ckpt = load_checkpoint(tmp_path, weights=weights)
+    q = ckpt.tensors["model.layers.1.mlp.down_proj.weight"]
+    assert isinstance(q, QuantWeight) and q.bits == bits
+    assert not isinstance(ckpt.tensors["model.layers.1.input_layernorm.weight"], QuantWeight)
+    ref_w = model.state_dict()["model.layers.1.mlp.down_proj.weight"]
+    assert torch.equal(q.dequantize(), quantize_rtn(ref_w, bits).dequantize())
+    net = Decoder.from_tensors(ckpt.spec, ckpt.tensors, torch.float32, "cpu")
+    dense = load_checkpoint(tmp_path)
+    ref = Decoder.from_tensors(dense.spec, dense.tensors, torch.float32, "cpu")
+    got, want = logits(net), logits(ref)
+    tol = 0.02 if bits == 8 else 0.3
+    assert float((got - want).abs().max()) < tol * float(want.abs().max())
+
+
+def test_int4pack_rows_match_torch_packer() -> None:
+    from kvtier.layers.qlinear import int4pack_rows
+    from kvtier.layers.qweight import pack_int4
+
+    g = torch.Generator().manual_seed(0)
+    for n, k in ((128, 64), (96, 64), (200, 256)):
+        q = torch.randint(0, 16, (n, k), dtype=torch.int32, generator=g)
+        padded = torch.zeros(-(-n // 64) * 64, k, dtype=torch.int32)
+        padded[:n] = q
+        assert torch.equal(int4pack_rows(pack_int4(q)), torch._convert_weight_to_int4pack_for_cpu(padded, 1))
+
+
+@pytest.mark.parametrize("rows", [1, 3, 9, 2000])
+@pytest.mark.parametrize("bits,exact", [(4, False), (8, False), (8, True)])
+def test_quant_linear_cpu_matches_dequantized(rows: int, bits: int, exact: bool, monkeypatch) -> None:
+    """forward / add_to / rows of each CPU packing against x @ dequant(W)^T; 2000 rows take the
+    dequantize + GEMM path (chunked over N through a small scratch)."""
+    import kvtier.layers.qlinear as ql
+
+    monkeypatch.setattr(ql, "CPU_SCRATCH_ELEMS", 64 * 160)  # several chunks of 64 rows
+    g = torch.Generator().manual_seed(rows * 10 + bits)
+    w = torch.randn(200, 160, generator=g) * 0.05
+    qw = quantize_rtn(w, bits, 32)
+    bias = torch.randn(200, generator=g)
+    lin = QuantLinear(qw, bias, torch.bfloat16, exact_codes=exact)
+    x = torch.randn(rows, 160, generator=g).bfloat16()
+    res = torch.randn(rows, 200, generator=g).bfloat16()
+    ref = x.float() @ qw.dequantize().t() + bias.float()
+    # exact packings (int4pack, split): bf16 scale rounding only; per-row int8 re-rounds the codes
+    tol = 2e-2 if (bits == 4 or exact) else 4e-2
+    assert float((lin(x).float() - ref).abs().max()) <= tol * float(ref.abs().max())
+    assert float((lin.add_to(res, x).float() - ref - res.float()).abs().max()) <= tol * float(ref.abs().max()) + 0.05
+    idx = torch.tensor([0, 63, 64, 199])
+    assert float((lin.rows(idx).float() - qw.dequantize()[idx]).abs().max()) <= 2e-2 * float(w.abs().max())
