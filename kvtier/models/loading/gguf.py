@@ -374,7 +374,7 @@ def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32, weights: str
     # numpy releases the GIL in its kernels, so tensors are read in parallel threads.
     with ThreadPoolExecutor(max_workers=LOAD_THREADS) as pool:
         tensors = dict(zip(by_hf, pool.map(one, by_hf.items())))
-    del data, mapped
+    data = mapped = None  # unmap the file (the closure above holds these cells)
     release_free_memory()
     return Checkpoint(spec=spec, tensors=tensors, path=path, format="gguf",
                       metadata=_summary_metadata(header, by_hf, unmapped))
