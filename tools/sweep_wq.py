@@ -1,14 +1,16 @@
 """GPU time of the weight-only quantized matmul (kvtier/kernels/wq_matmul.py) per variant, with baselines.
 
-    PYTHONPATH=. python3 tools/sweep_wq.py            # full sweep, < 4 min on an H200
+    PYTHONPATH=. python3 tools/sweep_wq.py            # decode sweep, M 1..32, 5 shapes, ~150 s on an H200
     PYTHONPATH=. python3 tools/sweep_wq.py --quick    # defaults and baselines on 3 shapes, M 1/32/2048
+    PYTHONPATH=. python3 tools/sweep_wq.py --all      # + every old skinny / GEMM switch (longer)
 
 For each Qwen3-8B weight (N, K), 4-bit (RTN with mins, group 32: ~4.5 bits a weight) and 8-bit
 (symmetric, group 32: 8.5 bits) and M rows of bf16 x: `calls` calls captured in one CUDA graph
 and replayed (no launch overhead), cycling through enough copies of the weight that they do not
-fit in L2. Variants: our kernels (wq_linear's default dispatch; skinny-kernel configs: CUDA-core
-"fma" / tensor-core "dot" with tiles, switches and split-K moved one at a time; GEMM tiles;
-dequantize+cuBLAS) and torch's baselines (bf16 F.linear on the dense weight, tinygemm
+fit in L2. Variants: our kernels (wq_linear's default dispatch "default"; "old default", the
+dispatch before the half2 kernel: skinny "fma" at M = 1, "dot" above; the half2 CUDA-core "gemv"
+for M <= 8 with its rows per program, K split, prefetch and warps moved one at a time; with
+--all the old skinny-kernel switches, GEMM tiles, dequantize+cuBLAS) and torch's baselines (bf16 F.linear on the dense weight, tinygemm
 `_weight_int4pack_mm`, `_weight_int8pack_mm` with per-channel scales). Each row prints us per
 call, GB/s of the bytes it reads (codes + scales + mins + x; the dense / tinygemm / int8 weight
 for baselines) and that as % of the measured bandwidth (TFLOP/s instead for M >= 256), and max
@@ -40,7 +42,7 @@ from kvtier.layers.qweight import QuantWeight, quantize_rtn  # noqa: E402
 DEVICE = "cuda"
 SHAPES = {"qkv": (6144, 4096), "o_proj": (4096, 4096), "gate_up": (24576, 4096), "down": (4096, 12288),
           "lm_head": (151936, 4096)}
-ROWS = (1, 4, 16, 32, 2048)
+ROWS = (1, 2, 4, 8, 16, 32)
 QUICK_SHAPES = ("o_proj", "gate_up", "down")
 QUICK_ROWS = (1, 32, 2048)
 GROUP = 32
@@ -52,8 +54,11 @@ REPLAYS = 5
 ROTATE_BYTES = 256 * 2**20
 # Rows from which a result is compute-bound: print TFLOP/s rather than % of bandwidth.
 COMPUTE_ROWS = 256
-# After this long, only the defaults and baselines run (the whole sweep must stay < 4 min).
-TIME_BUDGET_S = 200
+# After this long, only the defaults and baselines run (the whole sweep must stay ~150 s).
+TIME_BUDGET_S = 130
+# Rows of x up to which the gemv default is timed (GEMV_MAX_M and one step past it); its
+# one-change variants at M = 1 and 4 only (time budget).
+GEMV_SWEEP_MAX_M = 8
 # tinygemm: inner K tiles of its packed layout (2, 4 or 8; 8 as gpt-fast / torchao use).
 INNER_K_TILES = 8
 TINYGEMM_BIAS = 8  # tinygemm dequantizes (q - 8) * scale + zero
@@ -206,16 +211,38 @@ def gemm_variants(quick: bool) -> dict[str, wq.GemmConfig]:
     return out
 
 
-def variants(bits: int, m: int, quick: bool) -> dict[str, Make]:
+def gemv_variants(quick: bool) -> dict[str, wq.GemvConfig]:
+    """The half2 kernel's default, then one change at a time (rows per program, K split, prefetch, warps)."""
+    base = wq.GEMV_CONFIG
+    out = {"gemv": base}
+    if quick:
+        return out
+    for ch in (dict(block_n=16), dict(block_n=64), dict(chunks=1), dict(prefetch=False), dict(num_warps=8)):
+        cfg = replace(base, **ch)
+        out[f"gemv {_diff(cfg, base)}"] = cfg
+    return out
+
+
+def old_default(x: torch.Tensor, w: QuantWeight) -> torch.Tensor:
+    """wq_linear's dispatch for M <= SKINNY_MAX_M before wq_gemv (skinny fma at M = 1, dot above)."""
+    return wq.wq_skinny(x, w, cfg=wq.FMA_CONFIG if x.shape[0] <= wq.FMA_MAX_M else wq.DOT_CONFIG)
+
+
+def variants(bits: int, m: int, quick: bool, every: bool) -> dict[str, Make]:
     out: dict[str, Make] = {"default": ours(wq.wq_linear)}
     if m <= wq.SKINNY_MAX_M:
+        out["old default"] = ours(old_default)
+    if m <= GEMV_SWEEP_MAX_M:
+        for name, cfg in gemv_variants(quick or m not in (1, 4)).items():
+            out[name] = ours(lambda x, w, cfg=cfg: wq.wq_gemv(x, w, cfg=cfg))
+    if m <= wq.SKINNY_MAX_M and every:
         cfgs = {}
         if m <= wq.MAX_FMA_BLOCK_M:  # the CUDA-core path takes one row of x per program
             cfgs.update(skinny_variants(wq.FMA_CONFIG, "fma", quick))
         cfgs.update(skinny_variants(wq.DOT_CONFIG, "dot", quick or m not in (1, 32)))
         for name, cfg in cfgs.items():
             out[name] = ours(lambda x, w, cfg=cfg: wq.wq_skinny(x, w, cfg=cfg))
-    if m >= 16:
+    if m >= 16 and (every or m >= COMPUTE_ROWS):
         for name, cfg in gemm_variants(quick or m < COMPUTE_ROWS).items():
             out[name] = ours(lambda x, w, cfg=cfg: wq.wq_gemm(x, w, cfg=cfg))
         out["dequant+mm"] = ours(wq.wq_dequant_matmul)
@@ -300,6 +327,7 @@ def cell(r: Result | str, m: int, bw: float) -> str:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="defaults and baselines, 3 shapes, M 1/32/2048")
+    p.add_argument("--all", action="store_true", help="also every old skinny-kernel switch and GEMM tile")
     p.add_argument("--bits", default="4,8", help="comma-separated: 4, 8")
     args = p.parse_args()
     t0 = time.perf_counter()
@@ -308,7 +336,8 @@ def main() -> None:
     bw = measure_bandwidth(torch.device(DEVICE))
     print(f"{torch.cuda.get_device_name(0)}: {sms} SMs, measured bandwidth {bw / 1e9:.0f} GB/s; "
           f"defaults: FMA_MAX_M={wq.FMA_MAX_M} SKINNY_MAX_M={wq.SKINNY_MAX_M} DEQUANT_MIN_M={wq.DEQUANT_MIN_M}\n"
-          f"  fma {wq.FMA_CONFIG}\n  dot {wq.DOT_CONFIG}\n  gemm {wq.GEMM_CONFIG}", flush=True)
+          f"GEMV_MAX_M={wq.GEMV_MAX_M}\n  gemv {wq.GEMV_CONFIG}\n  fma {wq.FMA_CONFIG}\n  dot {wq.DOT_CONFIG}\n"
+          f"  gemm {wq.GEMM_CONFIG}", flush=True)
     shapes = QUICK_SHAPES if args.quick else tuple(SHAPES)
     rows = QUICK_ROWS if args.quick else ROWS
     bits_list = [int(b) for b in args.bits.split(",")]
@@ -323,7 +352,7 @@ def main() -> None:
         for bits in bits_list:
             refs = {shape: xs[SHAPES[shape][1]].float() @ subjects[shape, bits].w32.t() for shape in shapes}
             table = results.setdefault((bits, m), {})
-            for name, make in variants(bits, m, args.quick).items():
+            for name, make in variants(bits, m, args.quick, args.all).items():
                 if time.perf_counter() - t0 > TIME_BUDGET_S and name != "default" and name not in BASELINES:
                     skipped += 1
                     continue

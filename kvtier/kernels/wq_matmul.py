@@ -3,9 +3,15 @@
     x [M, K] bf16 / fp16 / fp32,  W: QuantWeight [N, K] (bits 4 or 8, group 16..128, mins or not)
     -> y [M, N] in x.dtype; fp32 accumulation, one rounding at the end (as the reference).
 
-Three paths, chosen by M (`wq_linear`):
+Four paths, chosen by M (`wq_linear`):
 
-    M <= SKINNY_MAX_M   `wq_skinny`: decode. Reads every code byte once; bandwidth-bound.
+    M <= GEMV_MAX_M     `wq_gemv` (kvtier/kernels/wq_kernels.py): decode on CUDA cores in fp16
+                        pairs: 16-bit x, codes read as 16-byte chunks, x of a program's K slice
+                        converted once to fp16 pairs and reused over all its rows; codes become
+                        fp16 by LOP3/PRMT under an exponent of 1024 (no conversion instruction) and
+                        are multiply-summed two at a time (HFMA2), fp32 per chunk. One x row per
+                        program, grid x row fastest (M programs share a row block's codes in L2).
+    M <= SKINNY_MAX_M   `wq_skinny`: decode (fp32 x and 4-bit groups of 16 at any M <= 32). Reads every code byte once; bandwidth-bound.
                         grid (cdiv(N, BLOCK_N), split_k, cdiv(M, BLOCK_M)); a program owns
                         BLOCK_N rows of W, K / split_k of K, BLOCK_M rows of x:
                             rows of W:  | prog 0 | prog 1 | ...            (axis 0)
@@ -40,11 +46,23 @@ Tricks behind switches (SkinnyConfig) so tools/sweep_wq.py can time each:
   * prefetch: the next iteration's codes, scales (and x) are loaded before this iteration's math
     (Triton's pipeliner only streams loads that feed tl.dot directly).
 
-Offline sm_90 builds (Triton 3.9, ptxas; SASS of the K loop, 4-bit, 64 codes a thread an
-iteration): the default CUDA-core path ("unit", group_scale, words) ~5.5 instructions a weight,
-123 registers, no spills; "magic" ~6.3, "cvt" more; the default tensor-core path (wgmma) ~6.7.
-At ~33 T instructions/s (132 SMs) 4-bit codes at 4.8 TB/s need <= ~4 a weight, so the 4-bit
-decode is ALU-bound near the target and the sweep should decide between these.
+Why the defaults (static SASS counts of the main loop from offline sm_90 builds, Triton 3.9 +
+ptxas, nvdisasm; instructions per thread over the codes it handles, not measurements):
+
+    path                         instr / weight   instr / code byte   registers, spills
+    skinny fma ("unit", 4-bit)   ~5.5             ~11                 123, none
+    skinny dot (wgmma, 4-bit)    ~6.7             ~13
+    gemv 4-bit (half2)           2.56 (328 / 128)  5.1                128, none (x: 64 of them)
+    gemv 8-bit (half2)           3.95 (253 / 64)   3.95               88, none
+
+An H200 issues 132 SMs x 4 schedulers x ~1.9 GHz ~ 1.0e12 warp instructions/s; reading 4 TB/s
+with one instruction per 32 lanes costs instr_per_byte / 32 * 4e12 issue slots a second: ~11 a
+byte (the old fma path) needs ~140% of the SMs' issue rate (the measured 31-55% of bandwidth at
+M = 1), 5.1 needs ~64%, 3.95 ~50%. Of gemv's 4-bit loop, 224 of 328 are the 4 chunks' PTX (per
+8 codes: SHF + 4 LOP3 + 4 de-bias HADD2/HFMA2 + 4 HFMA2), the rest loads (4 LDG.E.128 + 8
+LDG.E.U16 of scales and mins), addresses, the per-chunk scale/min FFMAs and the row's lane
+reduction (5 SHFL). Each x row costs the same again, so M = 4 is ~20 a byte (4-bit): the
+tensor-core path takes M > GEMV_MAX_M. The sweep (tools/sweep_wq.py) times all of them.
 
 Every launch depends on shapes only and reads nothing back on the host: CUDA-graph capturable.
 `wq_linear_reference` is the plain-PyTorch definition (fp32 dequantize + matmul) that CPU runs
