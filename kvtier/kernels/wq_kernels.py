@@ -1,7 +1,7 @@
 """Half2 decode kernel of the weight-only quantized matmul (used by kvtier/kernels/wq_matmul.py).
 
 `_gemv_kernel`: y[m, n] = sum_k x[m, k] W[n, k] on CUDA cores, codes turned into fp16 pairs by bit
-tricks and multiply-summed two at a time (HFMA2), fp16 sums of at most 8 products per half, then fp32.
+tricks and multiply-summed two at a time (HFMA2): an fp16 sum per 16-byte chunk (32 / 16 codes), then fp32.
 
     grid (M, cdiv(N, BLOCK_N), split)          x row fastest: the M programs of one row block
                                                run together and share its codes through L2
@@ -32,10 +32,10 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-# x is scaled by 2^-XSHIFT before it becomes fp16 (exact), so that fp16 partial sums of
-# 8 products stay finite: |c - 8| <= 8 (4-bit) gives |x| < 65504 * 16 / 64 ~ 16k in the worst
-# case (8 aligned maximal products), |c| <= 128 (8-bit) with 2^-8: |x| < 65504 * 256 / 1024 ~ 16k;
-# values below 2^(XSHIFT - 14) turn subnormal (an absolute error of 2^(XSHIFT - 24) each).
+# x is scaled by 2^-XSHIFT before it becomes fp16 (exact), so that a chunk's fp16 sum stays
+# finite: 32 products of |c - 8| <= 8 (4-bit, 2^-5) or 16 of |c| <= 128 (8-bit, 2^-8) overflow only
+# past |x| ~ 8k with every product aligned and maximal; x below 2^(XSHIFT - 14) turns subnormal
+# (an absolute error of at most 2^(XSHIFT - 25) each). fp16 sums round to ~2^-11 of the chunk's sum.
 XSHIFT4 = tl.constexpr(5)
 XSHIFT8 = tl.constexpr(8)
 
