@@ -39,6 +39,7 @@ against the other (TRITON_INTERPRET=1 on CPU, and on CUDA in tests/gpu).
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
@@ -96,6 +97,8 @@ if HAVE_TRITON:
     MODE_INT8 = tl.constexpr(1)  # int8 code * per-row fp16 scale
     MODE_FP8 = tl.constexpr(2)  # e4m3 byte * per-row fp16 scale
     MODE_INT4 = tl.constexpr(3)  # (nibble - 8) * per-group fp16 scale, two codes a byte
+    # Rows of R per step of the folded q / output rotations (bounds registers at any head_dim).
+    NATIVE_CHUNK = tl.constexpr(32)
     # int8 codes -> fp16 four at a time (_tile): flip each byte's sign bit, put bytes 0/2 (1/3)
     # under an fp16 exponent of 1024 in the two halves of a word, subtract 1024 + 128.
     SIGN_BITS = tl.constexpr(-0x7F7F7F80)  # 0x80808080 as an int32
@@ -189,6 +192,31 @@ if HAVE_TRITON:
         return low, high
 
     @triton.jit
+    def _native_q(q_rows, qm, cs_ptr, sign_ptr, dtype: tl.constexpr, D: tl.constexpr, G_PAD: tl.constexpr,
+                  SMOOTH: tl.constexpr, ROTATE: tl.constexpr, INV_SQRT_D: tl.constexpr):
+        """R (channel_scale * q) of the G query rows at q_rows, rounded to q's dtype as
+        PagePool.native_q rounds it. R = signs / sqrt(D): the exact +-1 signs of
+        formats.hadamard (sign_ptr, [D, D] in fp16 for 16-bit q, else fp32) on tensor cores,
+        NATIVE_CHUNK rows of them at a time, fp32 sums (tf32x3 for fp32 q)."""
+        if ROTATE:
+            acc = tl.zeros([G_PAD, D], tl.float32)
+            j = tl.arange(0, D)
+            CH: tl.constexpr = NATIVE_CHUNK if NATIVE_CHUNK < D else D
+            for k0 in tl.static_range(0, D, CH):
+                kk = k0 + tl.arange(0, CH)
+                x = tl.load(q_rows + kk[None, :], mask=qm, other=0.0).to(tl.float32)  # [G_PAD, CH]
+                if SMOOTH:
+                    x = x * tl.load(cs_ptr + kk).to(tl.float32)[None, :]
+                sgn = tl.load(sign_ptr + kk[:, None] * D + j[None, :])  # [CH, D]
+                if dtype == tl.float32:
+                    acc += tl.dot(x, sgn, input_precision="tf32x3")
+                else:
+                    acc += tl.dot(x.to(tl.float16), sgn)
+            return (acc * INV_SQRT_D).to(dtype)
+        x = tl.load(q_rows + tl.arange(0, D)[None, :], mask=qm, other=0.0).to(tl.float32)
+        return (x * tl.load(cs_ptr + tl.arange(0, D)).to(tl.float32)[None, :]).to(dtype)
+
+    @triton.jit
     def _sink_start(q, sk_ptr, sv_ptr, srow, use, qk_scale, m_i, l_i, acc, D: tl.constexpr):
         """Softmax state (m_i, l_i, acc) with the sink row at `srow` as its first key where `use`.
 
@@ -203,12 +231,13 @@ if HAVE_TRITON:
     # Runtime ints that may be 1 or multiples of 16: not specialised on value (one compile serves all).
     @triton.jit(do_not_specialize=["Hkv", "G", "num_splits", "stride_bt"])
     def _split_kernel(q_ptr, k_ptr, ks_ptr, v_ptr, vs_ptr, bt_ptr, lens_ptr, sk_ptr, sv_ptr, slot_ptr,
-                      o_ptr, lse_ptr, qk_scale, stride_qb, stride_qh, stride_bt, stride_ob, stride_oh,
-                      stride_os, Hkv, G, num_splits,
+                      o_ptr, lse_ptr, cs_ptr, sign_ptr, qk_scale, stride_qb, stride_qh, stride_bt, stride_ob,
+                      stride_oh, stride_os, Hkv, G, num_splits,
                       S: tl.constexpr, D: tl.constexpr, G_PAD: tl.constexpr, PAGES: tl.constexpr,
                       K_MODE: tl.constexpr, V_MODE: tl.constexpr, K_GROUP: tl.constexpr,
                       V_GROUP: tl.constexpr, BIAS: tl.constexpr, HAS_SINK: tl.constexpr,
-                      SINGLE: tl.constexpr, DOT_PREC: tl.constexpr):
+                      SINGLE: tl.constexpr, DOT_PREC: tl.constexpr, Q_SMOOTH: tl.constexpr,
+                      Q_ROTATE: tl.constexpr, INV_SQRT_D: tl.constexpr):
         """One (sequence b, kv head h, split sp): softmax partial of the G query heads of h."""
         b = tl.program_id(0)
         h = tl.program_id(1)
@@ -223,8 +252,11 @@ if HAVE_TRITON:
         g = tl.arange(0, G_PAD)
         d = tl.arange(0, D)
         heads = h * G + g  # query head h * G + g reads kv head h
-        q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + d[None, :], mask=(g < G)[:, None],
-                    other=0.0)  # [G_PAD, D]
+        q_rows = q_ptr + b * stride_qb + heads[:, None] * stride_qh
+        q = tl.load(q_rows + d[None, :], mask=(g < G)[:, None], other=0.0)  # [G_PAD, D]
+        if Q_SMOOTH or Q_ROTATE:  # raw q -> the pool's stored domain (PagePool.native_q), in place
+            q = _native_q(q_rows, (g < G)[:, None], cs_ptr + h * D, sign_ptr, q.dtype, D, G_PAD, Q_SMOOTH,
+                          Q_ROTATE, INV_SQRT_D)
         half: tl.constexpr = q.dtype != tl.float32  # 16-bit q: code tiles are dotted in fp16
         m_i = tl.full([G_PAD], float("-inf"), tl.float32)  # running max of the scores (log2 units)
         l_i = tl.zeros([G_PAD], tl.float32)  # running sum of exp2(score - m_i)
@@ -280,9 +312,10 @@ if HAVE_TRITON:
             tl.store(lse_ptr + (b * Hkv * G + heads) * num_splits + sp, lse, mask=hm)
 
     @triton.jit(do_not_specialize=["Hq", "num_splits"])
-    def _merge_kernel(part_ptr, lse_ptr, out_ptr, stride_ob, stride_oh, Hq, num_splits,
-                      D: tl.constexpr, CHUNK: tl.constexpr):
-        """One (sequence, query head): out = sum_s exp2(lse_s - lse) * part_s (all -inf: zeros)."""
+    def _merge_kernel(part_ptr, lse_ptr, out_ptr, rot_ptr, stride_ob, stride_oh, Hq, num_splits,
+                      D: tl.constexpr, CHUNK: tl.constexpr, ROTATE: tl.constexpr = False):
+        """One (sequence, query head): out = sum_s exp2(lse_s - lse) * part_s (all -inf: zeros);
+        ROTATE: times R (rot_ptr, [D, D] fp32: PagePool.native_out), NATIVE_CHUNK dims at a time."""
         b = tl.program_id(0)
         hq = tl.program_id(1)
         base = (b * Hq + hq) * num_splits
@@ -293,16 +326,37 @@ if HAVE_TRITON:
             m = tl.maximum(m, tl.load(lse_ptr + base + s0 + c, mask=s0 + c < num_splits, other=float("-inf")))
         m_max = tl.max(m, axis=0)
         m_use = tl.where(m_max == float("-inf"), 0.0, m_max)
-        acc = tl.zeros([D], tl.float32)
-        tot = tl.zeros([CHUNK], tl.float32)
-        for s0 in range(0, num_splits, CHUNK):
-            mk = s0 + c < num_splits
-            w = tl.exp2(tl.load(lse_ptr + base + s0 + c, mask=mk, other=float("-inf")) - m_use)  # [CHUNK]
-            part = tl.load(part_ptr + (base + s0 + c)[:, None] * D + d[None, :], mask=mk[:, None], other=0.0)
-            acc += tl.sum(w[:, None] * part, axis=0)
-            tot += w
-        total = tl.sum(tot, axis=0)
-        o = acc / tl.where(total == 0.0, 1.0, total)
+        if ROTATE:
+            tot = tl.zeros([CHUNK], tl.float32)
+            for s0 in range(0, num_splits, CHUNK):
+                mk = s0 + c < num_splits
+                tot += tl.exp2(tl.load(lse_ptr + base + s0 + c, mask=mk, other=float("-inf")) - m_use)
+            total = tl.sum(tot, axis=0)
+            CH: tl.constexpr = NATIVE_CHUNK if NATIVE_CHUNK < D else D
+            o = tl.zeros([D], tl.float32)
+            for k0 in tl.static_range(0, D, CH):
+                kk = k0 + tl.arange(0, CH)
+                acc = tl.zeros([CH], tl.float32)
+                for s0 in range(0, num_splits, CHUNK):
+                    mk = s0 + c < num_splits
+                    w = tl.exp2(tl.load(lse_ptr + base + s0 + c, mask=mk, other=float("-inf")) - m_use)
+                    part = tl.load(part_ptr + (base + s0 + c)[:, None] * D + kk[None, :], mask=mk[:, None],
+                                   other=0.0)
+                    acc += tl.sum(w[:, None] * part, axis=0)
+                r = tl.load(rot_ptr + kk[:, None] * D + d[None, :])  # [CH, D]
+                o += tl.sum(acc[:, None] * r, axis=0)
+            o = o / tl.where(total == 0.0, 1.0, total)
+        else:
+            acc = tl.zeros([D], tl.float32)
+            tot = tl.zeros([CHUNK], tl.float32)
+            for s0 in range(0, num_splits, CHUNK):
+                mk = s0 + c < num_splits
+                w = tl.exp2(tl.load(lse_ptr + base + s0 + c, mask=mk, other=float("-inf")) - m_use)  # [CHUNK]
+                part = tl.load(part_ptr + (base + s0 + c)[:, None] * D + d[None, :], mask=mk[:, None], other=0.0)
+                acc += tl.sum(w[:, None] * part, axis=0)
+                tot += w
+            total = tl.sum(tot, axis=0)
+            o = acc / tl.where(total == 0.0, 1.0, total)
         tl.store(out_ptr + b * stride_ob + hq * stride_oh + d, o.to(out_ptr.dtype.element_ty))
 
     def _mode(codec: Codec) -> tl.constexpr:
@@ -339,14 +393,19 @@ def _codec_constants(fmt: KVFormat, head_dim: int, dtype: torch.dtype) -> dict[s
 
 
 def split_constants(fmt: KVFormat, head_dim: int, page_size: int, gqa: int, dtype: torch.dtype,
-                    has_sink: bool, single: bool, num_splits: int = 0) -> dict[str, object]:
+                    has_sink: bool, single: bool, num_splits: int = 0,
+                    native: "NativeDomain | None" = None) -> dict[str, object]:
     """The tl.constexpr arguments of the split kernel (one compiled variant per distinct dict).
     Plain pages with few splits (long loops: large batches) take LONG_TILE_BYTES tiles."""
     long_loops = not fmt.quantized and 0 < num_splits <= LONG_LOOP_SPLITS
     pages = pages_per_tile(head_dim, page_size, torch.empty((), dtype=dtype).element_size(),
                            LONG_TILE_BYTES if long_loops else TILE_BYTES)
+    fold = dict(Q_SMOOTH=False, Q_ROTATE=False, INV_SQRT_D=1.0)
+    if native is not None:
+        fold = dict(Q_SMOOTH=native.channel_scale is not None, Q_ROTATE=native.rotate_q,
+                    INV_SQRT_D=float(torch.tensor(head_dim ** -0.5, dtype=torch.float32)))
     return dict(S=page_size, D=head_dim, G_PAD=max(MIN_DOT_ROWS, _pow2(gqa)), PAGES=pages,
-                HAS_SINK=has_sink, SINGLE=single, **_codec_constants(fmt, head_dim, dtype))
+                HAS_SINK=has_sink, SINGLE=single, **fold, **_codec_constants(fmt, head_dim, dtype))
 
 
 def choose_num_splits(batch: int, kv_heads: int, max_context: int, page_size: int, num_sms: int) -> int:
@@ -390,12 +449,31 @@ def _check(q: torch.Tensor, st: dict[str, torch.Tensor], fmt: KVFormat, block_ta
         raise ValueError(f"paged_decode: num_splits must be >= 1, got {num_splits}")
 
 
+@dataclass(frozen=True)
+class NativeDomain:
+    """What paged_decode folds in when a rotating pool's q arrives raw (PagePool.native_q /
+    native_out done inside the kernels: two launches fewer a layer).
+
+    channel_scale: [Hkv, D] K smoothing scale (or None); rotate_q / rotate_out: R (formats.hadamard)
+    applied to q on the way in / to the output on the way out."""
+
+    channel_scale: torch.Tensor | None
+    rotate_q: bool
+    rotate_out: bool
+
+
+def fold_native_supported(head_dim: int) -> bool:
+    """NativeDomain folding needs R to be one Sylvester block: a power-of-two head_dim >= 16."""
+    return HAVE_TRITON and head_dim >= 16 and head_dim & (head_dim - 1) == 0
+
+
 def paged_decode(q: torch.Tensor, st: dict[str, torch.Tensor], fmt: KVFormat, block_table: torch.Tensor,
                  seq_lens: torch.Tensor, scale: float, num_splits: int, sink: Sink | None = None,
-                 out: torch.Tensor | None = None) -> torch.Tensor:
+                 out: torch.Tensor | None = None, native: NativeDomain | None = None) -> torch.Tensor:
     """Decode attention of one query row per sequence over its pages, read in place.
 
-    q: [B, Hq, D] (bf16 / fp16 / fp32) in the stored domain (PagePool.native_q);
+    q: [B, Hq, D] (bf16 / fp16 / fp32) in the stored domain (PagePool.native_q), or raw with
+    `native` (the kernels move it, and the output back; fold_native_supported);
     st: one pool layer (`pool.layers[layer]`) in `fmt`'s layout, [num_pages, Hkv, S, ...];
     block_table: [B, max_pages] int32 page ids (entries past a sequence's pages: any valid id);
     seq_lens: [B] int32 keys per sequence (0 -> a zero output row);
@@ -427,15 +505,27 @@ def paged_decode(q: torch.Tensor, st: dict[str, torch.Tensor], fmt: KVFormat, bl
         lse = torch.empty((bsz, hq, num_splits), dtype=torch.float32, device=q.device)
         strides = (dst.stride(0), dst.stride(1), dst.stride(2))
     sk, sv, slot = sink if sink is not None else (q, q, block_table)  # unused placeholders
+    cs, signs, rot = q, q, q  # placeholders when nothing is folded
+    if native is not None:
+        if not fold_native_supported(d):
+            raise ValueError(f"paged_decode: cannot fold the stored domain at head_dim {d}")
+        cs = native.channel_scale if native.channel_scale is not None else q
+        sign_dtype = torch.float32 if q.dtype == torch.float32 else torch.float16
+        signs = fmt.rotation_signs(d, q.device, sign_dtype)
+        rot = fmt.rotation(d, q.device)
     _split_kernel[(bsz, hkv, num_splits)](
         q, st["k"], st.get("k_scale", st["k"]), st["v"], st.get("v_scale", st["v"]), block_table, seq_lens,
-        sk.contiguous(), sv.contiguous(), slot, dst, lse, scale * LOG2E, q.stride(0), q.stride(1),
+        sk.contiguous(), sv.contiguous(), slot, dst, lse, cs, signs, scale * LOG2E, q.stride(0), q.stride(1),
         block_table.stride(0), *strides, hkv, hq // hkv, num_splits,
-        **split_constants(fmt, d, s, hq // hkv, q.dtype, sink is not None, single, num_splits),
+        **split_constants(fmt, d, s, hq // hkv, q.dtype, sink is not None, single, num_splits, native),
         num_warps=NUM_WARPS, num_stages=NUM_STAGES)
+    rotate_out = native is not None and native.rotate_out
     if not single:
-        _merge_kernel[(bsz, hq)](dst, lse, out, out.stride(0), out.stride(1), hq, num_splits, D=d,
-                                 CHUNK=MERGE_CHUNK, num_warps=NUM_WARPS)
+        _merge_kernel[(bsz, hq)](dst, lse, out, rot, out.stride(0), out.stride(1), hq, num_splits, D=d,
+                                 CHUNK=MERGE_CHUNK, ROTATE=rotate_out, num_warps=NUM_WARPS)
+    elif rotate_out:  # one split wrote the output itself: rotate it in one more launch
+        from kvtier.kernels.kv_transform import transform_rows
+        out.copy_(transform_rows(fmt, out, True))
     return out
 
 

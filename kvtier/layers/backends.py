@@ -6,6 +6,9 @@
             split-K kernel of kernels/paged_attention.py (every KV format, codes never
             expanded to a dense copy) and can be captured in CUDA graphs; other steps
             (prefill chunks, host-tier streaming) go through the dense reference.
+    retrieval  layers/retrieval.py RetrievalAttention: past a token budget (RetrievalConfig,
+            `--kvmem-budget`), decode rows attend to sink + window + top-k pages per kv head;
+            everything else is the dense reference. Never picked by `auto`.
 
 `auto` picks triton where a CUDA device and Triton are present, else dense.
 """
@@ -17,8 +20,9 @@ from dataclasses import dataclass
 import torch
 
 from kvtier.layers.attention import AttentionMetadata, DensePagedAttention, plan_sink_rows
+from kvtier.layers.retrieval import RetrievalAttention, RetrievalConfig
 
-BACKEND_NAMES = ("auto", "dense", "triton")
+BACKEND_NAMES = ("auto", "dense", "triton", "retrieval")
 
 
 def triton_available(device: torch.device) -> bool:
@@ -39,10 +43,16 @@ def choose_backend(name: str, device: torch.device) -> str:
     return name
 
 
-def make_backend(name: str, store, scale: float, host_store: object | None = None, max_context: int = 0):
+def make_backend(name: str, store, scale: float, host_store: object | None = None, max_context: int = 0,
+                 retrieval: RetrievalConfig | None = None):
     """The backend `name` ("auto" resolved for the store's device) over the page pool `store`.
-    max_context: the longest context it serves (0: unknown, planned per step)."""
+    max_context: the longest context it serves (0: unknown, planned per step); retrieval: the
+    selection config, required by (and only by) "retrieval"."""
     resolved = choose_backend(name, torch.device(store.device))
+    if resolved == "retrieval":
+        if retrieval is None or not retrieval.enabled:
+            raise ValueError("the retrieval attention backend needs a kvmem budget > 0 (--kvmem-budget)")
+        return RetrievalAttention(store, scale, retrieval, host_store)
     if resolved == "triton":
         return TritonPagedAttention(store, scale, host_store, max_context)
     return DensePagedAttention(store, scale, host_store)
@@ -122,18 +132,24 @@ class TritonPagedAttention:
             raise RuntimeError("TritonPagedAttention.plan(meta) must run once before the step's forward")
         if plan is DENSE:
             return self.dense.forward(layer, q, k, v, meta)
-        from kvtier.kernels.paged_attention import paged_decode, paged_prefill
+        from kvtier.kernels.paged_attention import NativeDomain, fold_native_supported, paged_decode, paged_prefill
         store = self.store
         # decode rows are never at position 0: sink rows come only with prefill chunks
         store.write(layer, meta.slot_mapping, k, v, sink=plan.sink)
+        sink = (store.sink_k[layer], store.sink_v[layer], store.sink_slot) if store.sink_slots else None
+        fmt = store.fmt
+        if not plan.prefill and self.native and fold_native_supported(q.shape[-1]):
+            # decode: native_q / native_out folded into the kernels (two launches fewer a layer)
+            native = NativeDomain(store.k_channel_scale[layer], fmt.rotate_k, fmt.rotate_v)
+            return paged_decode(q, store.layers[layer], fmt, meta.block_table, meta.seq_lens_t, self.scale,
+                                plan.num_splits, sink=sink, native=native)
         if self.native:
             q = store.native_q(layer, q)
-        sink = (store.sink_k[layer], store.sink_v[layer], store.sink_slot) if store.sink_slots else None
         if plan.prefill:
-            o = paged_prefill(q, store.layers[layer], store.fmt, meta.block_table, meta.seq_lens_t,
+            o = paged_prefill(q, store.layers[layer], fmt, meta.block_table, meta.seq_lens_t,
                               meta.query_start_loc_t, self.scale, sink=sink, max_new=plan.max_new)
         else:
-            o = paged_decode(q, store.layers[layer], store.fmt, meta.block_table, meta.seq_lens_t,
+            o = paged_decode(q, store.layers[layer], fmt, meta.block_table, meta.seq_lens_t,
                              self.scale, plan.num_splits, sink=sink)
         return store.native_out(o) if self.native else o
 

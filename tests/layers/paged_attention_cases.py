@@ -115,6 +115,23 @@ def check_case(pa: ModuleType, case: Case, num_splits: int, use_sink: bool) -> N
         assert not torch.allclose(plain, want, rtol=tol, atol=tol), "the sink rows changed nothing: vacuous test"
 
 
+def check_native_fold(pa: ModuleType, case: Case, num_splits: int) -> None:
+    """paged_decode(raw q, native=...) (q's smoothing + rotation and the output's rotation folded
+    into the kernels) == native_out(reference(native_q(q))), the pool's own op-by-op path."""
+    pool, fmt = case.pool, case.pool.fmt
+    sink = case.sink
+    native = pa.NativeDomain(pool.k_channel_scale[0], fmt.rotate_k, fmt.rotate_v)
+    got = pa.paged_decode(case.q, case.st, fmt, case.block_table, case.seq_lens, case.scale, num_splits,
+                          sink=sink, native=native)
+    ref = pa.paged_decode_reference(pool.native_q(0, case.q), case.st, fmt, case.block_table, case.seq_lens,
+                                    case.scale, sink=sink)
+    want = pool.native_out(ref)
+    tol = TOLERANCE[case.q.dtype]
+    err = (got.float() - want.float()).abs().max().item()
+    assert torch.allclose(got.float(), want.float(), rtol=tol, atol=tol), \
+        f"{case.fmt_name} folded splits={num_splits}: max |kernel - reference| = {err:.3g}"
+
+
 # (format, gqa, page_size, head_dim, seq_lens, with_sink, quantized-format compute dtype)
 LENS = [5, 0, 13, 1, 33]  # odd lengths, partial pages, a padding row, one token
 SINKS = [True, True, False, True, False]
@@ -127,6 +144,8 @@ INTERP_CASES += [
     ("k8v4", 2, 4, 64, [37, 3], [True, False], torch.float16),  # word-wise int8 / int4 -> fp16 decode
     ("int4", 1, 4, 32, [21, 6], [False, True], torch.float16),
 ]
+# Folded native domain (NativeDomain): (format, gqa, head_dim, q dtype); D = 64 takes two R chunks.
+FOLD_CASES = [("int8", 2, 64, torch.float32), ("k8v4", 2, 32, torch.float16), ("int4", 1, 16, torch.float32)]
 # (num_splits, with sinks): splits 1 with and without sinks, 3 with (each ~18 ms a program here)
 INTERP_RUNS = ((1, False), (1, True), (3, True))
 
@@ -143,6 +162,13 @@ def main() -> None:
                 check_case(pa, case, splits, use_sink)
             except AssertionError as e:
                 failures.append(f"{name} gqa={gqa} ps={ps} D={hd} splits={splits} sink={use_sink}: {e}")
+    for i, (name, gqa, hd, qdt) in enumerate(FOLD_CASES):
+        case = make_case(name, 2, gqa, 4, hd, [21, 6], [True, False], qdt, "cpu", seed=100 + i)
+        for splits in (1, 3):
+            try:
+                check_native_fold(pa, case, splits)
+            except AssertionError as e:
+                failures.append(f"{name} folded gqa={gqa} D={hd} splits={splits}: {e}")
     print("\n".join(failures) if failures else "ALL OK")
 
 
