@@ -174,14 +174,24 @@ class DensePagedAttention:
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
-        plan = meta.step_cache.get(id(self))
-        if plan is None:  # not planned by the runner: the first layer plans, once per step
-            plan = meta.step_cache[id(self)] = self._plan(meta, q.device, q.shape[0])
+        plan = self._step_plan(meta, q)
         self.store.write(layer, meta.slot_mapping, k, v, sink=plan.sink)
+        return self.attend(layer, q, meta)
+
+    def attend(self, layer: int, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """`forward` without the write: q [T, Hq, D], the rows of `meta`, over pages already
+        written -> [T, Hq, D] (layers/retrieval.py sends it the rows it does not select for)."""
+        plan = self._step_plan(meta, q)
         if self.native:
             q = self.store.native_q(layer, q)  # type: ignore[attr-defined]
             return self.store.native_out(self._attend(layer, q, meta, plan))  # type: ignore[attr-defined]
         return self._attend(layer, q, meta, plan)
+
+    def _step_plan(self, meta: AttentionMetadata, q: torch.Tensor) -> "_StepPlan":
+        plan = meta.step_cache.get(id(self))
+        if plan is None:  # not planned by the runner: the first layer plans, once per step
+            plan = meta.step_cache[id(self)] = self._plan(meta, q.device, q.shape[0])
+        return plan
 
     def _attend(self, layer: int, q: torch.Tensor, meta: AttentionMetadata, plan: "_StepPlan") -> torch.Tensor:
         if plan.batch_table is not None:

@@ -1,0 +1,105 @@
+"""PageSummaries: per-page key summaries for retrieval attention (layers/retrieval.py).
+
+Per layer, per compute-pool page and per kv head the summaries hold, over the rows written into
+the page so far:
+
+    kmin, kmax  [L, P, Hkv, D] fp32   channel-wise min / max of the keys
+    ksum        [L, P, Hkv, D] fp32   their sum (mean key = ksum / count: the baseline selector)
+    count       [L, P]         int32  rows written
+
+Keys are raw, as the model produced them (what `backend.forward(layer, q, k, v, meta)` receives,
+before any KV-format smoothing or rotation), so for every query q and key k of the page
+
+    q . k  <=  sum_d max(q_d * kmin_d, q_d * kmax_d)       (the Quest bound)
+
+holds exactly (fp32 summaries of fp32/bf16/fp16 keys: min / max are exact copies of key values).
+
+Updates come from the same `slot_mapping` the pool is written with, all torch scatter ops (no
+Python loop over tokens), on the pool's device. A write of row 0 of a page resets that page's
+summaries first: pages are reused, and every occupant writes its page from row 0.
+
+Memory: (3 * kv_heads * head_dim * 4 + 4) bytes per page per layer (page_size does not enter):
+Qwen2.5-1.5B (2 kv heads x 128) 3,076 B a page-layer against 16 KiB of bf16 K/V for a 16-token
+page (19%); without the mean key (meankey selector unused) it would be 2/3 of that.
+
+Not yet covered: pages copied in from the host tier (PagePool.copy_to) keep their old summaries
+until `refresh` is called for them (see `refresh`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class PageSummaries:
+    """Channel-wise key min / max / sum and row counts of every page of one pool (module docstring)."""
+
+    def __init__(self, num_layers: int, num_pages: int, kv_heads: int, head_dim: int, page_size: int,
+                 device: torch.device | str):
+        for name, val in (("num_layers", num_layers), ("num_pages", num_pages), ("kv_heads", kv_heads),
+                          ("head_dim", head_dim), ("page_size", page_size)):
+            if val < 1:
+                raise ValueError(f"PageSummaries {name} must be >= 1, got {val}")
+        self.num_layers, self.num_pages, self.kv_heads = num_layers, num_pages, kv_heads
+        self.head_dim, self.page_size = head_dim, page_size
+        self.device = torch.device(device)
+        shape = (num_layers, num_pages, kv_heads, head_dim)
+        self.kmin = torch.full(shape, float("inf"), dtype=torch.float32, device=self.device)
+        self.kmax = torch.full(shape, float("-inf"), dtype=torch.float32, device=self.device)
+        self.ksum = torch.zeros(shape, dtype=torch.float32, device=self.device)
+        self.count = torch.zeros(num_layers, num_pages, dtype=torch.int32, device=self.device)
+
+    @classmethod
+    def for_pool(cls, pool: object) -> "PageSummaries":
+        """Summaries shaped for a PagePool (kv/pool.py), on its device."""
+        return cls(pool.num_layers, pool.num_pages, pool.kv_heads, pool.head_dim,  # type: ignore[attr-defined]
+                   pool.page_size, pool.device)  # type: ignore[attr-defined]
+
+    def bytes_per_page_layer(self) -> int:
+        return 3 * self.kv_heads * self.head_dim * 4 + 4
+
+    def update(self, layer: int, slots: torch.Tensor, k: torch.Tensor) -> None:
+        """Fold newly written rows into their pages' summaries.
+
+        slots: [T] int64 page * page_size + offset (the pool's slot_mapping); k: [T, Hkv, D] raw keys.
+        """
+        if slots.numel() == 0:
+            return
+        pages = torch.div(slots, self.page_size, rounding_mode="floor")
+        first = slots.remainder(self.page_size) == 0
+        kmin, kmax, ksum, count = self.kmin[layer], self.kmax[layer], self.ksum[layer], self.count[layer]
+        # reset the pages whose row 0 is written now (their previous occupant's rows are gone);
+        # index_put_ with a mask-selected index: no host sync for the mask on CUDA via where()
+        reset = torch.where(first, pages, torch.full_like(pages, -1))
+        hit = torch.zeros(self.num_pages + 1, dtype=torch.bool, device=pages.device)
+        hit.index_fill_(0, reset + 1, True)  # slot 0 collects the "no reset" rows
+        hit = hit[1:]
+        kmin.masked_fill_(hit[:, None, None], float("inf"))
+        kmax.masked_fill_(hit[:, None, None], float("-inf"))
+        ksum.masked_fill_(hit[:, None, None], 0.0)
+        count.masked_fill_(hit, 0)
+        flat = k.reshape(k.shape[0], -1).float()  # [T, Hkv * D]
+        idx = pages[:, None].expand_as(flat)
+        kmin.view(self.num_pages, -1).scatter_reduce_(0, idx, flat, "amin", include_self=True)
+        kmax.view(self.num_pages, -1).scatter_reduce_(0, idx, flat, "amax", include_self=True)
+        ksum.view(self.num_pages, -1).index_add_(0, pages, flat)
+        count.index_add_(0, pages, torch.ones_like(pages, dtype=torch.int32))
+
+    def refresh(self, layer: int, page_ids: torch.Tensor, k: torch.Tensor, rows: torch.Tensor) -> None:
+        """Recompute whole pages from their keys (pages copied in from another tier).
+
+        page_ids: [P] int64; k: [P, Hkv, page_size, D] keys of those pages; rows: [P] valid rows each.
+        """
+        valid = torch.arange(self.page_size, device=k.device)[None, :] < rows[:, None]  # [P, S]
+        m = valid[:, None, :, None]
+        kf = k.float()
+        self.kmin[layer, page_ids] = kf.masked_fill(~m, float("inf")).amin(dim=2)
+        self.kmax[layer, page_ids] = kf.masked_fill(~m, float("-inf")).amax(dim=2)
+        self.ksum[layer, page_ids] = kf.masked_fill(~m, 0.0).sum(dim=2)
+        self.count[layer, page_ids] = rows.to(torch.int32)
+
+    def mean(self, layer: int, page_ids: torch.Tensor) -> torch.Tensor:
+        """Mean key of pages: page_ids [...] -> [..., Hkv, D] (zeros for empty pages)."""
+        s = self.ksum[layer][page_ids]
+        n = self.count[layer][page_ids].clamp_min(1).to(s.dtype)
+        return s / n[..., None, None]

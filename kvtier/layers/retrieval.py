@@ -1,0 +1,316 @@
+"""Retrieval attention ("retrieval"): past a token budget, a decode row attends to the pages it picks.
+
+For each decode row whose sequence holds more than `budget` tokens, and per kv head (the query
+heads of a GQA group choose together):
+
+    page index:  0 .. sink-1 | sink .................................. w0-1 | w0 ...... n-1
+                 sink pages  | candidates: the top-k by a score from        | window pages: the
+                 (always)    | kv/summaries.py PageSummaries, per kv head   | last `window` tokens
+                                                                            | (always; n-1 holds the
+                                                                            | current token)
+    k = budget // page_size - sink pages - window pages
+
+and attends exactly (softmax over the selected keys only) over those pages. Everything else (prefill
+chunks, sequences at or under the budget, sequences with host-tier pages) goes through the owned
+DensePagedAttention unchanged, so under the budget this backend IS dense attention.
+
+Selectors (score of a candidate page for a query row; q grouped [Hkv, g, D]):
+    quest      sum over the group of the Quest bound sum_d max(q_d min_d, q_d max_d) >= max q.k
+    quest-max  max over the group of the same bound (a page any one query head needs)
+    meankey    the seeds' baseline: page mean key . group-mean q, summed over kv heads: ONE page
+               list per layer shared by all kv heads
+
+Shapes stay what a Triton version will take: the selection is [R, Hkv, n_sel] page indices / page
+ids / validity for the R selected rows; no Python loop over heads or layers. This reference reads
+the selected pages of all kv heads and keeps each head's own (Hkv x the bytes a kernel would read).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from kvtier.kv.summaries import PageSummaries
+from kvtier.layers.attention import AttentionMetadata, DensePagedAttention, plan_sink_rows
+
+SELECTORS = ("quest", "quest-max", "meankey")
+# Sink tokens: StreamingLLM keeps the first 4 tokens (the attention sinks); rounded up to pages,
+# that is one page at any page size, the least that keeps position 0 in every selection.
+DEFAULT_SINK = 4
+# Recent tokens always attended: local syntax and the running sentence (8 pages of 16); small
+# next to useful budgets (2K-8K) so most of the budget goes to retrieved pages.
+DEFAULT_WINDOW = 128
+
+
+@dataclass(frozen=True)
+class RetrievalConfig:
+    """budget: tokens a decode row may attend to (0: off, always dense); sink: the first tokens
+    always kept (>= 1: position 0 is the attention sink and its page heads every selection);
+    window: the last tokens always kept; selector: one of SELECTORS."""
+
+    budget: int = 0
+    sink: int = DEFAULT_SINK
+    window: int = DEFAULT_WINDOW
+    selector: str = "quest"
+
+    def __post_init__(self) -> None:
+        if self.budget < 0:
+            raise ValueError(f"kvmem budget must be >= 0 tokens (0 = off), got {self.budget}")
+        if self.sink < 1:
+            raise ValueError(f"kvmem sink must be >= 1 token (position 0 is always kept), got {self.sink}")
+        if self.window < 0:
+            raise ValueError(f"kvmem window must be >= 0 tokens, got {self.window}")
+        if self.selector not in SELECTORS:
+            raise ValueError(f"kvmem selector must be one of {', '.join(SELECTORS)}, got {self.selector!r}")
+        if self.budget and self.budget <= self.sink + self.window:
+            raise ValueError(f"kvmem budget {self.budget} leaves nothing to retrieve past sink {self.sink} "
+                             f"+ window {self.window} tokens")
+
+    @property
+    def enabled(self) -> bool:
+        return self.budget > 0
+
+    def page_counts(self, page_size: int) -> tuple[int, int, int]:
+        """(sink pages, most window pages, budget pages) at `page_size`; ValueError when the budget
+        cannot hold the sink, the window and at least one retrieved page."""
+        sink = -(-self.sink // page_size)
+        window = -(-max(self.window, 1) // page_size) + 1  # an unaligned window touches one more page
+        budget = self.budget // page_size
+        if budget < sink + window + 1:
+            raise ValueError(f"kvmem budget {self.budget} tokens = {budget} pages of {page_size}: needs at "
+                             f"least {sink + window + 1} (sink {sink} + window {window} + 1 retrieved)")
+        return sink, window, budget
+
+
+class RetrievalAttention:
+    """Sink + window + top-k pages per kv head past the budget; dense otherwise (module docstring).
+
+    record: also keep, per layer call, the selection (`last_selection`) and the share of the dense
+    softmax mass the selected keys hold (`mass_log`, [R, Hq] per call; computes dense scores too).
+    """
+
+    name = "retrieval"
+
+    def __init__(self, store, scale: float, config: RetrievalConfig, host_store: object | None = None,
+                 summaries: PageSummaries | None = None, record: bool = False):
+        """summaries: shared with other backends over the same pool (eval); None: a new one."""
+        if not config.enabled:
+            raise ValueError("RetrievalAttention needs a kvmem budget > 0")
+        self.store = store
+        self.scale = scale
+        self.config = config
+        self.sink_pages, _, self.budget_pages = config.page_counts(store.page_size)
+        self.dense = DensePagedAttention(store, scale, host_store)
+        self.native = self.dense.native
+        self.summaries = summaries if summaries is not None else PageSummaries.for_pool(store)
+        self.record = record
+        self.mass_log: list[torch.Tensor] = []
+        self.last_selection: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # layer -> (idx, valid)
+        self.retrieved_rows = 0  # decode rows (x layers) that attended to a selection
+
+    def attach_host_tier(self, host_store: object | None) -> None:
+        self.dense.attach_host_tier(host_store)
+
+    def graph_ready(self, meta: AttentionMetadata) -> bool:
+        return False  # Python-list selection tables: eager only (a Triton version can change that)
+
+    def plan(self, meta: AttentionMetadata, for_graph: bool = False) -> None:
+        if id(self) not in meta.step_cache:
+            meta.step_cache[id(self)] = self._plan(meta)
+
+    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        """q: [T, Hq, D], k/v: [T, Hkv, D] raw (the summaries bound raw q.k) -> [T, Hq, D]."""
+        plan = meta.step_cache.get(id(self))
+        if plan is None:
+            plan = meta.step_cache[id(self)] = self._plan(meta)
+        self.summaries.update(layer, meta.slot_mapping, k)
+        if plan.sel is None:
+            return self.dense.forward(layer, q, k, v, meta)
+        self.store.write(layer, meta.slot_mapping, k, v, sink=plan.sink)
+        out = torch.empty_like(q)
+        if plan.rest_meta is not None:
+            out[plan.rest_rows] = self.dense.attend(layer, q.index_select(0, plan.rest_rows), plan.rest_meta)
+        out[plan.sel.rows] = self._retrieve(layer, q.index_select(0, plan.sel.rows), plan.sel)
+        return out
+
+    # -- per step ---------------------------------------------------------------------------------
+
+    def _plan(self, meta: AttentionMetadata) -> "_RetrievalPlan":
+        """Which rows select (decode rows past the budget, all pages on the device), their
+        candidate / fixed page tables, and a dense plan for the rest."""
+        qsl, budget = meta.query_start_loc, self.config.budget
+        sel = [b for b in range(meta.num_seqs)
+               if qsl[b + 1] - qsl[b] == 1 and meta.seq_lens[b] > budget and meta.page_tables[b][0] >= 0]
+        if not sel:
+            self.dense.plan(meta)
+            return _RetrievalPlan()
+        device = meta.slot_mapping.device
+        plan = _RetrievalPlan(sink=plan_sink_rows(self.store, meta, device))
+        plan.sel = self._selection_tables(meta, sel, device)
+        chosen = set(sel)
+        rest = [b for b in range(meta.num_seqs) if b not in chosen]
+        if rest:
+            rows = [r for b in rest for r in range(qsl[b], qsl[b + 1])]
+            plan.rest_rows = torch.tensor(rows, dtype=torch.long).to(device)
+            sub_qsl = [0]
+            for b in rest:
+                sub_qsl.append(sub_qsl[-1] + qsl[b + 1] - qsl[b])
+            plan.rest_meta = AttentionMetadata(
+                query_start_loc=sub_qsl, seq_lens=[meta.seq_lens[b] for b in rest],
+                page_tables=[meta.page_tables[b] for b in rest],
+                slot_mapping=meta.slot_mapping.index_select(0, plan.rest_rows),
+                logits_indices=plan.rest_rows[:0])
+            self.dense.plan(plan.rest_meta)
+        return plan
+
+    def _selection_tables(self, meta: AttentionMetadata, sel: list[int], device: torch.device) -> "_Selection":
+        """Per selected row: fixed pages (sink + window) and candidate pages, padded into tensors."""
+        ps, window = self.store.page_size, max(self.config.window, 1)
+        fixed, cands, ks, ctxs = [], [], [], []
+        for b in sel:
+            ctx = meta.seq_lens[b]
+            n = -(-ctx // ps)
+            n_sink = min(self.sink_pages, n)
+            w0 = max(n_sink, (ctx - window) // ps)  # first window page
+            fixed.append(list(range(n_sink)) + list(range(w0, n)))
+            cands.append(list(range(n_sink, w0)))
+            ks.append(self.budget_pages - len(fixed[-1]))
+            ctxs.append(ctx)
+        r, f, c = len(sel), max(map(len, fixed)), max(map(len, cands))
+        k = max(ks)
+        fixed_idx = torch.full((r, f), -1, dtype=torch.long)
+        cand_idx = torch.full((r, c), -1, dtype=torch.long)
+        for i, b in enumerate(sel):
+            fixed_idx[i, :len(fixed[i])] = torch.tensor(fixed[i], dtype=torch.long)
+            cand_idx[i, :len(cands[i])] = torch.tensor(cands[i], dtype=torch.long)
+        table = torch.zeros(r, max(-(-x // ps) for x in ctxs), dtype=torch.long)
+        for i, b in enumerate(sel):
+            pt = meta.page_tables[b][:-(-ctxs[i] // ps)]
+            table[i, :len(pt)] = torch.tensor(pt, dtype=torch.long)
+        fixed_ids = table.gather(1, fixed_idx.clamp_min(0))
+        cand_ids = table.gather(1, cand_idx.clamp_min(0))
+        hkv, n_sel = self.store.kv_heads, f + k
+        to = lambda t: t.to(device, non_blocking=True)  # noqa: E731
+        return _Selection(
+            rows=to(torch.tensor([meta.query_start_loc[b] for b in sel], dtype=torch.long)),
+            ctx=to(torch.tensor(ctxs, dtype=torch.long)), fixed_idx=to(fixed_idx), fixed_ids=to(fixed_ids),
+            cand_idx=to(cand_idx), cand_ids=to(cand_ids), top_k=to(torch.tensor(ks, dtype=torch.long)),
+            k=k, table=to(table), starts=to(torch.arange(r * hkv, dtype=torch.long) * n_sel))
+
+    # -- per layer --------------------------------------------------------------------------------
+
+    def select(self, layer: int, q: torch.Tensor, sel: "_Selection") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q: [R, Hq, D] raw -> (page indices, page ids, valid), each [R, Hkv, n_sel]: the fixed
+        pages first (sink page 0 at column 0), then the top-k candidates per kv head."""
+        r, hkv = q.shape[0], self.store.kv_heads
+        qg = q.float().view(r, hkv, -1, q.shape[-1])  # [R, Hkv, g, D]
+        scores = page_scores(self.config.selector, qg, self.summaries, layer, sel.cand_ids)  # [R, Hkv, C]
+        scores = scores.masked_fill(sel.cand_idx[:, None, :] < 0, float("-inf"))
+        top = scores.topk(sel.k, dim=-1).indices  # [R, Hkv, K]
+        c = sel.cand_idx.shape[1]
+        top_idx = sel.cand_idx[:, None, :].expand(r, hkv, c).gather(-1, top)
+        top_ids = sel.cand_ids[:, None, :].expand(r, hkv, c).gather(-1, top)
+        top_ok = torch.arange(sel.k, device=q.device)[None, None, :] < sel.top_k[:, None, None]
+        f = sel.fixed_idx.shape[1]
+        idx = torch.cat([sel.fixed_idx[:, None, :].expand(r, hkv, f), top_idx], dim=-1)
+        ids = torch.cat([sel.fixed_ids[:, None, :].expand(r, hkv, f), top_ids], dim=-1)
+        valid = torch.cat([(sel.fixed_idx >= 0)[:, None, :].expand(r, hkv, f), top_ok.expand(r, hkv, -1)], dim=-1)
+        return idx.clamp_min(0), ids, valid
+
+    def _retrieve(self, layer: int, q: torch.Tensor, sel: "_Selection") -> torch.Tensor:
+        """q: [R, Hq, D] (one decode row per selected sequence) -> [R, Hq, D]."""
+        idx, ids, valid = self.select(layer, q, sel)
+        r, hkv, n_sel = idx.shape
+        ps, d = self.store.page_size, q.shape[-1]
+        kp, vp = self.store.read(layer, ids.reshape(-1), sel.starts, native=self.native)  # [R*Hkv*n, Hkv, ps, D]
+        # keep kv head h's rows of the pages head h chose: the diagonal over (list head, page head)
+        kk = kp.view(r, hkv, n_sel, hkv, ps, d).diagonal(dim1=1, dim2=3).permute(0, 4, 1, 2, 3)
+        vv = vp.view(r, hkv, n_sel, hkv, ps, d).diagonal(dim1=1, dim2=3).permute(0, 4, 1, 2, 3)
+        pos = idx[..., None] * ps + torch.arange(ps, device=q.device)  # [R, Hkv, n_sel, ps]
+        mask = (valid[..., None] & (pos < sel.ctx[:, None, None, None])).reshape(r, hkv, n_sel * ps)
+        qn = self.store.native_q(layer, q) if self.native else q
+        o = attend_selected(qn, kk.reshape(r, hkv, n_sel * ps, d), vv.reshape(r, hkv, n_sel * ps, d),
+                            mask, self.scale)
+        self.retrieved_rows += r
+        if self.record:
+            self.last_selection[layer] = (idx, valid)
+            self.mass_log.append(self._selected_mass(layer, qn, sel, idx, valid))
+        return self.store.native_out(o) if self.native else o
+
+    def _selected_mass(self, layer: int, q: torch.Tensor, sel: "_Selection", idx: torch.Tensor,
+                       valid: torch.Tensor) -> torch.Tensor:
+        """Share of each query head's dense softmax mass on the selected keys: -> [R, Hq] fp32."""
+        r, hkv, _ = idx.shape
+        ps, d, n_pages = self.store.page_size, q.shape[-1], sel.table.shape[1]
+        starts = torch.arange(r, device=q.device) * n_pages
+        kp, _ = self.store.read(layer, sel.table.reshape(-1), starts, native=self.native)
+        kk = kp.view(r, n_pages, hkv, ps, d).permute(0, 2, 1, 3, 4).reshape(r, hkv, n_pages * ps, d)
+        s = q.float().view(r, hkv, -1, d) @ kk.float().transpose(-1, -2) * self.scale  # [R, Hkv, g, L]
+        live = torch.arange(n_pages * ps, device=q.device)[None, :] < sel.ctx[:, None]  # [R, L]
+        p = s.masked_fill(~live[:, None, None, :], float("-inf")).softmax(-1)
+        chosen = torch.zeros(r, hkv, n_pages, dtype=torch.int32, device=q.device)
+        chosen.scatter_add_(-1, idx, valid.to(torch.int32))  # padding entries (idx 0) add nothing
+        chosen = (chosen > 0).repeat_interleave(ps, dim=-1)[:, :, None, :]  # [R, Hkv, 1, L]
+        return (p * chosen).sum(-1).reshape(r, -1)
+
+
+@dataclass
+class _Selection:
+    """The selecting rows of one step (R of them) and their page tables (device tensors)."""
+
+    rows: torch.Tensor  # [R] packed row of each selecting sequence's decode token
+    ctx: torch.Tensor  # [R] its context length (keys 0..ctx-1)
+    fixed_idx: torch.Tensor  # [R, F] sink + window page indices (-1: padding)
+    fixed_ids: torch.Tensor  # [R, F] their pool page ids
+    cand_idx: torch.Tensor  # [R, C] candidate page indices (-1: padding)
+    cand_ids: torch.Tensor  # [R, C] their pool page ids
+    top_k: torch.Tensor  # [R] candidates each row may take (budget pages - fixed pages)
+    k: int  # max(top_k)
+    table: torch.Tensor  # [R, n_pages max] the full page tables (mass recording)
+    starts: torch.Tensor  # [R * Hkv] position of page 0 in the flattened selection (sink rows)
+
+
+@dataclass
+class _RetrievalPlan:
+    sel: _Selection | None = None  # None: no row selects; the whole step is the dense backend's
+    sink: tuple[torch.Tensor, torch.Tensor] | None = None  # (rows at position 0, sink slots)
+    rest_rows: torch.Tensor | None = None  # [T'] packed rows of the other sequences
+    rest_meta: AttentionMetadata | None = field(default=None, repr=False)  # those rows, for dense
+
+
+def page_scores(selector: str, qg: torch.Tensor, summaries: PageSummaries, layer: int,
+                cand_ids: torch.Tensor) -> torch.Tensor:
+    """qg: [R, Hkv, g, D] fp32 raw queries; cand_ids: [R, C] pool pages -> scores [R, Hkv, C].
+
+    Pages with no summary (never written in this pool) score +inf: chosen first, never missed.
+    """
+    r, hkv = qg.shape[:2]
+    if selector == "meankey":
+        mean = summaries.mean(layer, cand_ids)  # [R, C, Hkv, D]
+        s = torch.einsum("rhd,rchd->rc", qg.mean(2), mean)  # one list for all kv heads
+        s = s[:, None, :].expand(r, hkv, -1)
+    else:
+        kmin, kmax = summaries.kmin[layer][cand_ids], summaries.kmax[layer][cand_ids]  # [R, C, Hkv, D]
+        # max(q_d min_d, q_d max_d) = max(q_d, 0) max_d + min(q_d, 0) min_d
+        bound = (torch.einsum("rhgd,rchd->rhgc", qg.clamp_min(0), kmax)
+                 + torch.einsum("rhgd,rchd->rhgc", qg.clamp_max(0), kmin))  # [R, Hkv, g, C]
+        s = bound.sum(2) if selector == "quest" else bound.amax(2)
+    empty = summaries.count[layer][cand_ids] == 0  # [R, C]
+    return s.masked_fill(empty[:, None, :], float("inf"))
+
+
+def attend_selected(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+                    scale: float) -> torch.Tensor:
+    """One query row per sequence over per-kv-head key sets, fp32 softmax.
+
+    q: [R, Hq, D]; k, v: [R, Hkv, L, D]; mask: bool [R, Hkv, L] (True = attend) -> [R, Hq, D]
+    """
+    r, hq, d = q.shape
+    hkv = k.shape[1]
+    qg = q.float().view(r, hkv, hq // hkv, d)  # query head h reads kv head h // (Hq / Hkv)
+    s = (qg @ k.float().transpose(-1, -2)).mul_(scale)  # [R, Hkv, g, L]
+    s.masked_fill_(~mask[:, :, None, :], float("-inf"))
+    o = s.softmax(-1) @ v.float()  # [R, Hkv, g, D]
+    return o.reshape(r, hq, d).to(q.dtype)

@@ -1,0 +1,212 @@
+"""Retrieval attention: page summaries, the Quest bound, selection, and equivalence with dense.
+
+Equivalences: budget >= context is bit-for-bit dense; a small budget equals dense softmax over
+exactly the selected pages (reference from pool.read, independent of the backend's gather).
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from kvtier.kv.formats import make_format
+from kvtier.kv.pool import PagePool
+from kvtier.kv.summaries import PageSummaries
+from kvtier.layers.attention import AttentionMetadata, DensePagedAttention
+from kvtier.layers.backends import make_backend
+from kvtier.layers.retrieval import SELECTORS, RetrievalAttention, RetrievalConfig, page_scores
+
+PS, D, PAGES = 4, 8, 96
+
+
+def test_summaries_match_brute_force_after_random_writes_and_page_reuse():
+    layers, hkv = 2, 3
+    s = PageSummaries(layers, 10, hkv, D, PS, "cpu")
+    rows: dict[tuple[int, int], list[torch.Tensor]] = {}  # (layer, page) -> its rows, in order
+    fill = [0] * 10
+    g = torch.Generator().manual_seed(0)
+    rnd = random.Random(0)
+    for _ in range(60):
+        slots = []
+        for p in rnd.sample(range(10), 3):
+            if fill[p] == PS or rnd.random() < 0.2:
+                fill[p] = 0  # the page is reused by a new occupant: it starts again at row 0
+            n = rnd.randint(1, PS - fill[p])
+            slots += [p * PS + fill[p] + i for i in range(n)]
+            fill[p] += n
+        for layer in range(layers):  # every layer writes the step's slots
+            k = torch.randn(len(slots), hkv, D, generator=g)
+            s.update(layer, torch.tensor(slots), k)
+            for slot, row in zip(slots, k):
+                if slot % PS == 0:
+                    rows[(layer, slot // PS)] = []
+                rows[(layer, slot // PS)].append(row)
+    for (layer, p), rs in rows.items():
+        ks = torch.stack(rs)  # [n, Hkv, D]
+        assert int(s.count[layer, p]) == len(rs)
+        assert torch.equal(s.kmin[layer, p], ks.amin(0)) and torch.equal(s.kmax[layer, p], ks.amax(0))
+        torch.testing.assert_close(s.ksum[layer, p], ks.sum(0))
+        torch.testing.assert_close(s.mean(layer, torch.tensor([p]))[0], ks.mean(0))
+
+
+def test_quest_bound_holds_for_every_query_head():
+    g = torch.Generator().manual_seed(1)
+    hkv, grp, pages = 2, 4, 12
+    s = PageSummaries(1, pages, hkv, D, PS, "cpu")
+    k = torch.randn(pages * PS, hkv, D, generator=g) * 3
+    s.update(0, torch.arange(pages * PS), k)
+    q = torch.randn(5, hkv, grp, D, generator=g) * 2
+    ids = torch.arange(pages)[None, :].expand(5, pages)
+    kp = k.view(pages, PS, hkv, D)  # page p, row s, head h
+    true_max = torch.einsum("rhgd,pshd->rhgps", q, kp).amax(-1)  # [R, Hkv, g, P]: max q.k per page
+    assert (page_scores("quest-max", q, s, 0, ids) >= true_max.amax(2) - 1e-5).all()
+    assert (page_scores("quest", q, s, 0, ids) >= true_max.sum(2) - 1e-5).all()
+
+
+def _fill(pool: PagePool, backends: list, ctx_lens: list[int], new_lens: list[int], hq: int, seed: int,
+          layers: int = 1):
+    """Random scattered page tables; history rows written into `pool` (and every retrieval backend's
+    summaries). -> (meta, q, k_new, v_new) for one step of every layer (same q/k/v each layer)."""
+    g = torch.Generator().manual_seed(seed)
+    rnd = random.Random(seed)
+    free = list(range(PAGES))
+    rnd.shuffle(free)
+    tables, ks, vs = [], [], []
+    hkv = pool.kv_heads
+    for ctx, n in zip(ctx_lens, new_lens):
+        pt = [free.pop() for _ in range(-(-ctx // PS))]
+        tables.append(pt)
+        k, v = torch.randn(ctx, hkv, D, generator=g), torch.randn(ctx, hkv, D, generator=g)
+        # a few keys stand out so that the selection matters
+        k[rnd.sample(range(ctx), min(3, ctx))] *= 4
+        ks.append(k)
+        vs.append(v)
+    for b, (ctx, n) in enumerate(zip(ctx_lens, new_lens)):
+        old = torch.tensor([tables[b][p // PS] * PS + p % PS for p in range(ctx - n)], dtype=torch.long)
+        meta = AttentionMetadata([0, ctx - n], [ctx - n], [tables[b]], old, torch.tensor([0]))
+        for layer in range(layers):
+            if ctx - n:  # write the history as a prefill step (sink rows included)
+                for be in backends:
+                    be.plan(meta)
+                    be.forward(layer, torch.zeros(ctx - n, hq, D), ks[b][:ctx - n], vs[b][:ctx - n], meta)
+            meta.step_cache.clear()
+    qsl = [0]
+    for n in new_lens:
+        qsl.append(qsl[-1] + n)
+    slots = torch.tensor([pt[p // PS] * PS + p % PS for pt, ctx, n in zip(tables, ctx_lens, new_lens)
+                          for p in range(ctx - n, ctx)], dtype=torch.long)
+    k_new = torch.cat([k[ctx - n:] for k, ctx, n in zip(ks, ctx_lens, new_lens)])
+    v_new = torch.cat([v[ctx - n:] for v, ctx, n in zip(vs, ctx_lens, new_lens)])
+    q = torch.randn(qsl[-1], hq, D, generator=g)
+    return AttentionMetadata(qsl, ctx_lens, tables, slots, torch.tensor([qsl[-1] - 1])), q, k_new, v_new
+
+
+CASES = [([7, 13, 1, 20], [7, 3, 1, 5]), ([5, 17, 2, 33, 8], [1, 1, 1, 1, 1]), ([30, 9], [1, 9])]
+
+
+@pytest.mark.parametrize("hq,hkv", [(2, 2), (8, 2)])
+@pytest.mark.parametrize("case", range(len(CASES)))
+def test_budget_at_least_context_is_dense_bit_for_bit(hq, hkv, case):
+    ctx, new = CASES[case]
+    pools = [PagePool(make_format("fp32"), 2, PAGES, hkv, PS, D, "cpu") for _ in range(2)]
+    dense = DensePagedAttention(pools[0], D ** -0.5)
+    cfg = RetrievalConfig(budget=max(ctx), sink=1, window=4)
+    retr = RetrievalAttention(pools[1], D ** -0.5, cfg)
+    outs = []
+    for be in (dense, retr):
+        meta, q, k, v = _fill(be.store, [be], ctx, new, hq, seed=case, layers=2)
+        be.plan(meta)
+        outs.append([be.forward(layer, q, k, v, meta) for layer in range(2)])
+    assert all(torch.equal(a, b) for a, b in zip(*outs))
+    assert retr.retrieved_rows == 0
+
+
+def _selected_reference(pool: PagePool, meta: AttentionMetadata, q: torch.Tensor, b: int,
+                        idx: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """Decode row of sequence b over exactly the selected pages of each kv head.
+    idx/valid: [Hkv, n_sel] -> [Hq, D]"""
+    ctx, pt = meta.seq_lens[b], meta.page_tables[b]
+    kp, vp = pool.read(0, torch.tensor(pt[:-(-ctx // PS)]), torch.tensor([0]))  # [P, Hkv, PS, D]
+    hkv, hq = pool.kv_heads, q.shape[1]
+    out = torch.empty(hq, D)
+    for h in range(hkv):
+        pages = sorted({int(p) for p, ok in zip(idx[h], valid[h]) if ok})
+        keys = [(p, o) for p in pages for o in range(PS) if p * PS + o < ctx]
+        kk = torch.stack([kp[p, h, o] for p, o in keys]).float()
+        vv = torch.stack([vp[p, h, o] for p, o in keys]).float()
+        for j in range(hq // hkv):
+            hh = h * (hq // hkv) + j
+            w = (q[meta.query_start_loc[b], hh].float() @ kk.T * D ** -0.5).softmax(-1)
+            out[hh] = w @ vv
+    return out
+
+
+@pytest.mark.parametrize("fmt", ["fp32", "int8"])
+@pytest.mark.parametrize("selector", SELECTORS)
+@pytest.mark.parametrize("hq,hkv", [(2, 2), (8, 2)])
+def test_small_budget_is_dense_over_exactly_the_selected_pages(fmt, selector, hq, hkv):
+    ctx, new = [61, 7, 45, 90, 26], [1, 7, 1, 1, 1]  # one prefill chunk rides along densely
+    cfg = RetrievalConfig(budget=28, sink=2, window=5, selector=selector)  # 7 pages: 1 + 2..3 + rest
+    pools = [PagePool(make_format(fmt), 1, PAGES, hkv, PS, D, "cpu") for _ in range(2)]
+    dense = DensePagedAttention(pools[0], D ** -0.5)
+    retr = RetrievalAttention(pools[1], D ** -0.5, cfg, record=True)
+    meta, q, k, v = _fill(pools[1], [retr], ctx, new, hq, seed=3)
+    retr.plan(meta)
+    out = retr.forward(0, q, k, v, meta)
+    dmeta, dq, dk, dv = _fill(pools[0], [dense], ctx, new, hq, seed=3)
+    ref_dense = dense.forward(0, dq, dk, dv, dmeta)
+    idx, valid = retr.last_selection[0]
+    selecting = [b for b in range(len(ctx)) if new[b] == 1 and ctx[b] > cfg.budget]
+    assert idx.shape[:2] == (len(selecting), hkv) and retr.retrieved_rows == len(selecting)
+    tol = dict(rtol=1e-5, atol=1e-5) if fmt == "fp32" else dict(rtol=1e-4, atol=1e-4)
+    for r, b in enumerate(selecting):
+        n_pages = -(-ctx[b] // PS)
+        for h in range(hkv):
+            chosen = [int(p) for p, ok in zip(idx[r, h], valid[r, h]) if ok]
+            assert len(chosen) == len(set(chosen)) == cfg.budget // PS  # no repeats, the budget filled
+            assert 0 in chosen and n_pages - 1 in chosen  # the sink and the newest page (current token)
+            first_window = (ctx[b] - cfg.window) // PS
+            assert set(range(first_window, n_pages)) <= set(chosen)
+        lo = meta.query_start_loc[b]
+        torch.testing.assert_close(out[lo], _selected_reference(pools[1], meta, q, b, idx[r], valid[r]), **tol)
+    for b in range(len(ctx)):  # every other row is the dense backend's, unchanged
+        if b not in selecting:
+            lo, hi = meta.query_start_loc[b], meta.query_start_loc[b + 1]
+            torch.testing.assert_close(out[lo:hi], ref_dense[lo:hi], rtol=0, atol=0)
+    mass = torch.cat(retr.mass_log)
+    assert mass.shape == (len(selecting), hq) and ((mass > 0) & (mass <= 1 + 1e-5)).all()
+
+
+def test_quest_takes_the_pages_with_the_highest_bound():
+    hq = hkv = 2
+    cfg = RetrievalConfig(budget=16, sink=1, window=1, selector="quest")  # 4 pages: sink, newest, 2 picked
+    pool = PagePool(make_format("fp32"), 1, PAGES, hkv, PS, D, "cpu")
+    retr = RetrievalAttention(pool, D ** -0.5, cfg, record=True)
+    meta, q, k, v = _fill(pool, [retr], [41], [1], hq, seed=5)
+    retr.plan(meta)
+    retr.forward(0, q, k, v, meta)
+    idx, valid = retr.last_selection[0]
+    pt = meta.page_tables[0]
+    for h in range(hkv):
+        bounds = [float((q[0, h].clamp_min(0) * retr.summaries.kmax[0, pt[p], h]
+                         + q[0, h].clamp_max(0) * retr.summaries.kmin[0, pt[p], h]).sum()) for p in range(1, 10)]
+        best = sorted(range(1, 10), key=lambda p: -bounds[p - 1])[:2]
+        assert set(idx[0, h].tolist()) == {0, 10} | set(best)
+
+
+def test_config_validation_and_registry():
+    with pytest.raises(ValueError, match="selector"):
+        RetrievalConfig(budget=64, selector="oracle")
+    with pytest.raises(ValueError, match="sink"):
+        RetrievalConfig(budget=64, sink=0)
+    with pytest.raises(ValueError, match="nothing to retrieve"):
+        RetrievalConfig(budget=64, sink=4, window=60)
+    with pytest.raises(ValueError, match="pages"):
+        RetrievalConfig(budget=40, sink=4, window=16).page_counts(16)
+    pool = PagePool(make_format("fp32"), 1, 8, 2, PS, D, "cpu")
+    with pytest.raises(ValueError, match="kvmem budget"):
+        make_backend("retrieval", pool, 1.0)
+    assert make_backend("retrieval", pool, 1.0, retrieval=RetrievalConfig(budget=64, window=8)).name == "retrieval"
+    assert not RetrievalConfig().enabled
