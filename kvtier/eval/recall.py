@@ -1,0 +1,319 @@
+"""`kvtier eval recall`: passkey recall and fidelity of retrieval attention against dense attention.
+
+Recall (synthetic passkey, offline): a haystack of `length` tokens, either one sentence group
+repeated ("repeated", the classic passkey filler) or running English prose ("varied": the Python
+Language Reference shipped with CPython, from a seeded offset), holds 1 or 3 needles ("The pass key
+is 12345. Remember it. 12345 is the pass key."); 3 needles sit at depths d, d + 1/3, d + 2/3
+(mod 1). The prompt ends with a question; a trial is found when the greedy answer contains every
+key. For each (length, depth, trial) the prompt is prefilled ONCE (prefill is dense in every
+method) and then decoded by dense attention and by each selector over the same pages, so the
+methods differ only in what the decode rows attend to.
+
+Fidelity (natural text): the same prose, teacher-forced past the budget: mean KL(dense || method)
+of the next-token distributions, top-1 agreement with dense, and the share of the dense softmax
+mass the selected pages cover (mean over decode rows, layers and query heads).
+
+Prompts are cut to a whole number of pages, so decoded tokens start a fresh page: the page
+summaries of the prompt stay those of the prompt whichever method decodes after another.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from kvtier.kv.formats import PlainFormat
+from kvtier.kv.pool import PagePool
+from kvtier.kv.summaries import PageSummaries
+from kvtier.layers.attention import AttentionMetadata, DensePagedAttention
+from kvtier.layers.retrieval import DEFAULT_SINK, DEFAULT_WINDOW, SELECTORS, RetrievalAttention, RetrievalConfig
+
+DENSE = "dense"
+HAYSTACKS = ("repeated", "varied")
+REPEATED_FILLER = " The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
+INTRO = ("There is important information hidden inside a lot of irrelevant text. "
+         "Find it and memorize it. I will quiz you about it.\n")
+QUESTION = {1: "\nWhat is the pass key? The pass key is",
+            3: "\nWhat are the three pass keys? The three pass keys are"}
+# Greedy tokens per needle: a 5-digit key is 1-5 tokens, plus a separator or two.
+TOKENS_PER_NEEDLE = 8
+DEFAULT_PAGE_SIZE = 16
+# Prefill chunk: bounds the [chunk, context] attention of the dense reference path.
+PREFILL_CHUNK = {"cpu": 512, "cuda": 2048}
+
+
+@dataclass(frozen=True)
+class Trial:
+    haystack: str
+    needles: int
+    length: int
+    depth: float
+    trial: int
+    method: str
+    found: bool
+    answer: str
+    mass: float | None  # retrieval methods with recording: mean selected share of dense mass
+
+
+@dataclass(frozen=True)
+class Fidelity:
+    method: str
+    mean_kl: float
+    top1_agree: float
+    mass: float | None
+
+
+class _Runner:
+    """One sequence at a time over pages 0..n-1 of a pool sized for the longest prompt."""
+
+    def __init__(self, model: torch.nn.Module, max_tokens: int, budget: int, selectors: list[str],
+                 sink: int, window: int, page_size: int, record: bool):
+        layers, kv_heads, head_dim = model.kv_shape
+        self.model = model
+        self.device = next(model.parameters()).device
+        dtype = next(model.parameters()).dtype
+        self.ps = page_size
+        pages = -(-max_tokens // page_size) + 1
+        self.pool = PagePool(PlainFormat(dtype), layers, pages, kv_heads, page_size, head_dim, self.device,
+                             compute_dtype=dtype)
+        self.table = list(range(pages))
+        summaries = PageSummaries.for_pool(self.pool)
+        scale = head_dim ** -0.5
+        self.backends: dict[str, object] = {DENSE: DensePagedAttention(self.pool, scale)}
+        for s in selectors:
+            cfg = RetrievalConfig(budget=budget, sink=sink, window=window, selector=s)
+            self.backends[s] = RetrievalAttention(self.pool, scale, cfg, summaries=summaries, record=record)
+        # prefill: dense attention in every method; a retrieval backend also fills the summaries
+        self.prefill_backend = self.backends[selectors[0]] if selectors else self.backends[DENSE]
+        self.chunk = PREFILL_CHUNK.get(self.device.type, 2048)
+
+    def step(self, backend: object, ids: list[int], start: int, want_all: bool = False) -> torch.Tensor:
+        """Run tokens `ids` at positions start.. -> fp32 logits of the last row ([n, V] if want_all)."""
+        n = len(ids)
+        rows = torch.arange(n if want_all else 1, device=self.device) + (0 if want_all else n - 1)
+        meta = AttentionMetadata(query_start_loc=[0, n], seq_lens=[start + n], page_tables=[self.table],
+                                 slot_mapping=torch.arange(start, start + n, device=self.device),
+                                 logits_indices=rows)
+        backend.plan(meta)  # type: ignore[attr-defined]
+        pos = torch.arange(start, start + n, device=self.device)
+        return self.model(torch.tensor(ids, device=self.device), pos, meta, backend)
+
+    def prefill(self, ids: list[int]) -> torch.Tensor:
+        """-> logits [V] after the last prompt token."""
+        for lo in range(0, len(ids), self.chunk):
+            logits = self.step(self.prefill_backend, ids[lo:lo + self.chunk], lo)
+        return logits[-1]
+
+    def greedy(self, method: str, first: int, start: int, max_new: int, stop: frozenset[int]) -> list[int]:
+        """Greedy decode from `first` (sampled from the prefill) at position `start`."""
+        out = [first]
+        while len(out) < max_new and out[-1] not in stop:
+            out.append(int(self.step(self.backends[method], [out[-1]], start + len(out) - 1)[-1].argmax()))
+        return out
+
+    def take_mass(self, method: str) -> float | None:
+        be = self.backends[method]
+        if not isinstance(be, RetrievalAttention) or not be.mass_log:
+            return None
+        m = float(torch.cat(be.mass_log).mean())
+        be.mass_log.clear()
+        return m
+
+
+def _filler(tok, haystack: str, n: int, rng: random.Random) -> list[int]:
+    """n filler tokens: the repeated sentence group, or prose from a seeded offset (wrapping)."""
+    if haystack == "repeated":
+        unit = tok.encode(REPEATED_FILLER)
+        return (unit * (n // len(unit) + 1))[:n]
+    from kvtier.engine.calibrate import prose_text
+    text = prose_text()
+    start = rng.randrange(len(text) // 2)
+    ids: list[int] = []
+    while len(ids) < n:
+        ids += tok.encode(text[start:start + 8 * n])
+        start = 0
+    return ids[:n]
+
+
+def build_prompt(tok, length: int, depth: float, needles: int, haystack: str, rng: random.Random,
+                 page_size: int) -> tuple[list[int], list[str]]:
+    """-> (prompt ids, a multiple of page_size long and <= length, the keys planted)."""
+    keys = [str(rng.randrange(10000, 100000)) for _ in range(needles)]
+    needle_ids = [tok.encode(f" The pass key is {k}. Remember it. {k} is the pass key.") for k in keys]
+    head, tail = tok.encode(INTRO), tok.encode(QUESTION[needles])
+    total = length - length % page_size
+    n_fill = total - len(head) - len(tail) - sum(map(len, needle_ids))
+    if n_fill < needles:
+        raise ValueError(f"length {length} is too short for {needles} needle(s) and the question")
+    fill = _filler(tok, haystack, n_fill, rng)
+    cuts = sorted((int(((depth + i / needles) % 1.0) * n_fill), i) for i in range(needles))
+    body, last = [], 0
+    for cut, i in cuts:
+        body += fill[last:cut] + needle_ids[i]
+        last = cut
+    body += fill[last:]
+    return head + body + tail, keys
+
+
+@torch.inference_mode()
+def run_recall(model: torch.nn.Module, tok, lengths: list[int], depths: list[float], trials: int = 3,
+               needles: int = 1, haystack: str = "repeated", budget: int = 1024,
+               selectors: list[str] | None = None, sink: int = DEFAULT_SINK, window: int = DEFAULT_WINDOW,
+               seed: int = 0, page_size: int = DEFAULT_PAGE_SIZE, record_mass: bool = False) -> list[Trial]:
+    """Every (length, depth, trial) prompt, decoded by dense attention and each selector."""
+    if needles not in QUESTION or haystack not in HAYSTACKS:
+        raise ValueError(f"needles must be 1 or 3 and haystack one of {', '.join(HAYSTACKS)}")
+    selectors = list(SELECTORS[:1] if selectors is None else selectors)
+    max_new = TOKENS_PER_NEEDLE * needles
+    runner = _Runner(model, max(lengths) + max_new, budget, selectors, sink, window, page_size, record_mass)
+    stop = frozenset(tok.eos_token_ids)
+    out = []
+    for length in lengths:
+        for depth in depths:
+            for t in range(trials):
+                rng = random.Random(f"{seed}:{haystack}:{needles}:{length}:{depth}:{t}")
+                ids, keys = build_prompt(tok, length, depth, needles, haystack, rng, page_size)
+                first = int(runner.prefill(ids).argmax())
+                for method in [DENSE, *selectors]:
+                    gen = runner.greedy(method, first, len(ids), max_new, stop)
+                    answer = tok.decode(gen, skip_special_tokens=True)
+                    out.append(Trial(haystack, needles, length, depth, t, method,
+                                     all(k in answer for k in keys), answer, runner.take_mass(method)))
+    return out
+
+
+@torch.inference_mode()
+def run_fidelity(model: torch.nn.Module, tokens: list[int], n_eval: int, budget: int, selectors: list[str],
+                 sink: int = DEFAULT_SINK, window: int = DEFAULT_WINDOW,
+                 page_size: int = DEFAULT_PAGE_SIZE) -> list[Fidelity]:
+    """Teacher-forced decode of tokens[n:n + n_eval] after a prefill of the first n = len(tokens) -
+    n_eval (cut to whole pages): KL, top-1 agreement and covered mass of each selector vs dense."""
+    n = (len(tokens) - n_eval) // page_size * page_size
+    runner = _Runner(model, n + n_eval, budget, selectors, sink, window, page_size, record=True)
+    runner.prefill(tokens[:n])
+    logp: dict[str, torch.Tensor] = {}
+    for method in [DENSE, *selectors]:
+        rows = [torch.log_softmax(runner.step(runner.backends[method], [tokens[n + i]], n + i)[-1], -1)
+                for i in range(n_eval)]
+        logp[method] = torch.stack(rows).cpu()  # [n_eval, V]
+    ref = logp[DENSE]
+    res = []
+    for method in selectors:
+        lp = logp[method]
+        kl = (ref.exp() * (ref - lp)).sum(-1).clamp_min(0)
+        res.append(Fidelity(method, float(kl.mean()), float((lp.argmax(-1) == ref.argmax(-1)).float().mean()),
+                            runner.take_mass(method)))
+    return res
+
+
+def summarize(trials: list[Trial]) -> list[list[str]]:
+    """Rows: haystack, needles, length, depth, then found/trials per method (methods in run order)."""
+    methods = list(dict.fromkeys(t.method for t in trials))
+    cells: dict[tuple, dict[str, list[Trial]]] = {}
+    for t in trials:
+        cells.setdefault((t.haystack, t.needles, t.length, t.depth), {}).setdefault(t.method, []).append(t)
+    rows = []
+    for (hay, nd, length, depth), by in cells.items():
+        row = [hay, str(nd), str(length), f"{depth:.2f}"]
+        for m in methods:
+            ts = by.get(m, [])
+            mass = [t.mass for t in ts if t.mass is not None]
+            row.append(f"{sum(t.found for t in ts)}/{len(ts)}" + (f" ({sum(mass) / len(mass):.2f})" if mass else ""))
+        rows.append(row)
+    total = ["all", "", "", ""] + [f"{sum(t.found for t in trials if t.method == m)}/"
+                                   f"{sum(t.method == m for t in trials)}" for m in methods]
+    return [["haystack", "needles", "length", "depth", *methods], *rows, total]
+
+
+def to_markdown(table: list[list[str]]) -> str:
+    head, *rows = table
+    lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
+    return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows])
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """`recall` under `kvtier eval`."""
+    p = subparsers.add_parser("recall", help="passkey recall + fidelity: dense vs retrieval attention")
+    p.add_argument("--model", "-m", default="smollm2-135m", help="model name (kvtier models list) or path")
+    p.add_argument("--lengths", default="1024,2048", help="prompt lengths in tokens, comma-separated")
+    p.add_argument("--depths", default="0.1,0.5,0.9", help="needle depths in [0, 1), comma-separated")
+    p.add_argument("--trials", type=int, default=3)
+    p.add_argument("--needles", default="1", help="1, 3 or 1,3 (3: all must be found)")
+    p.add_argument("--haystack", default="repeated", help="repeated, varied or repeated,varied")
+    p.add_argument("--budget", type=int, default=512, help="kvmem budget in tokens per decode row")
+    p.add_argument("--sink", type=int, default=DEFAULT_SINK)
+    p.add_argument("--window", type=int, default=DEFAULT_WINDOW)
+    p.add_argument("--selectors", default=",".join(SELECTORS))
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--page-size", type=int, default=DEFAULT_PAGE_SIZE)
+    p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    p.add_argument("--dtype", default="auto", choices=("auto", "fp32", "bf16", "fp16"))
+    p.add_argument("--mass", action="store_true", help="also record the dense mass the selection covers")
+    p.add_argument("--fidelity-tokens", type=int, default=0,
+                   help="natural-text KL / mass: teacher-forced decode tokens past max(--lengths) (0: off)")
+    p.add_argument("--markdown", type=Path, default=None, help="also write the tables here")
+    p.set_defaults(fn=main)
+    return p
+
+
+def load(model: str, device: str, dtype: str):
+    """(Decoder, Tokenizer) with dense weights on `device` ("auto": CUDA when present)."""
+    from kvtier.models.decoder import Decoder
+    from kvtier.models.hub import resolve_model
+    from kvtier.models.loading import load_checkpoint
+    from kvtier.models.tokenizer import Tokenizer
+
+    dev = "cuda" if device == "auto" and torch.cuda.is_available() else ("cpu" if device == "auto" else device)
+    dt = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
+          "auto": torch.bfloat16 if dev == "cuda" else torch.float32}[dtype]
+    ckpt = load_checkpoint(resolve_model(model), dtype=dt)
+    return Decoder.from_tensors(ckpt.spec, ckpt.tensors, dtype=dt, device=dev), Tokenizer.from_checkpoint(ckpt)
+
+
+def main(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    selectors = [s for s in args.selectors.split(",") if s]
+    model, tok = load(args.model, args.device, args.dtype)
+    lengths = [int(x) for x in args.lengths.split(",")]
+    trials: list[Trial] = []
+    for hay in args.haystack.split(","):
+        for nd in (int(x) for x in args.needles.split(",")):
+            trials += run_recall(model, tok, lengths, [float(x) for x in args.depths.split(",")], args.trials,
+                                 nd, hay, args.budget, selectors, args.sink, args.window, args.seed,
+                                 args.page_size, args.mass)
+    table = summarize(trials)
+    title = (f"{args.model}: passkey recall, budget {args.budget} (sink {args.sink}, window {args.window}, "
+             f"page {args.page_size}){'; (mean selected mass)' if args.mass else ''}")
+    md = [f"### {title}", "", to_markdown(table)]
+    out = Table(title=title)
+    for h in table[0]:
+        out.add_column(h)
+    for r in table[1:]:
+        out.add_row(*r)
+    console = Console()
+    console.print(out)
+    if args.fidelity_tokens:
+        from kvtier.engine.calibrate import prose_text
+        tokens = tok.encode(prose_text())[:max(lengths) + args.fidelity_tokens]
+        fid = run_fidelity(model, tokens, args.fidelity_tokens, args.budget, selectors, args.sink, args.window,
+                           args.page_size)
+        ft = [["method", "mean KL vs dense (nats)", "top-1 agree", "selected mass"]] + [
+            [f.method, f"{f.mean_kl:.3e}", f"{100 * f.top1_agree:.1f}%", "-" if f.mass is None else f"{f.mass:.3f}"]
+            for f in fid]
+        ftitle = f"natural text: {len(tokens) - args.fidelity_tokens} tokens, {args.fidelity_tokens} teacher-forced"
+        t2 = Table(title=ftitle)
+        for h in ft[0]:
+            t2.add_column(h)
+        for r in ft[1:]:
+            t2.add_row(*r)
+        console.print(t2)
+        md += ["", f"### {ftitle}", "", to_markdown(ft)]
+    if args.markdown:
+        args.markdown.write_text("\n".join(md) + "\n")
+    return 0
