@@ -139,10 +139,27 @@ def test_quantized_weights_match_hf_on_dequantized(arch, tied, bits, tmp_path):
     ids = prompt(40, seed=3)
     got = PagedHarness(model, device=CUDA).step([(0, ids)])[0]
     assert rel_err(got, cuda_logits(hf, ids)) <= REL_TOL
-    with torch.no_grad():
-        want = hf.generate(torch.tensor([ids], device=CUDA), max_new_tokens=16, do_sample=False,
-                           pad_token_id=0)[0, len(ids):].tolist()
-    assert PagedHarness(model, device=CUDA).greedy(0, ids, 16) == want
+    assert_greedy_matches(hf, ids, PagedHarness(model, device=CUDA).greedy(0, ids, 16))
+
+
+# Greedy tokens may part at a near-tie: HF's own logits for the two tokens within this share of
+# the row's largest |logit| (RTN-quantized random weights make flatter rows than dense ones; HF's
+# generate and its forward were seen to part at such a tie on the H200).
+NEAR_TIE = 1e-3
+
+
+def assert_greedy_matches(hf, ids: list[int], got: list[int]) -> None:
+    """kvtier's greedy tokens == HF's argmax chain (full forwards) up to the first near-tie,
+    where both tokens must be within NEAR_TIE of each other in HF's logits."""
+    seq = list(ids)
+    for i, tok in enumerate(got):
+        row = cuda_logits(hf, seq)[-1]
+        want = int(row.argmax())
+        if tok != want:
+            gap = float(row[want] - row[tok]) / float(row.abs().max())
+            assert gap <= NEAR_TIE, f"token {i}: kvtier {tok} vs HF {want}, not a near-tie (gap {gap:.2e})"
+            return
+        seq.append(tok)
 
 
 @pytest.mark.parametrize("bits", [4, 8])
