@@ -1,4 +1,4 @@
-"""kvtier command line: serve | generate | chat | inspect | models | plan | bench."""
+"""kvtier command line: serve | generate | chat | inspect | models | plan | bench | eval."""
 
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ import uuid
 
 from rich.console import Console
 
-from kvtier.config import CUDA_PREFILL_CHUNK, DEFAULT_PAGE_SIZE, DEFAULT_PREFILL_CHUNK, CacheConfig, EngineConfig, ServerConfig
+from kvtier.config import (CUDA_PREFILL_CHUNK, DEFAULT_PAGE_SIZE, DEFAULT_PREFILL_CHUNK, DEFAULT_SINK, DEFAULT_WINDOW,
+                           SELECTORS, CacheConfig, EngineConfig, RetrievalConfig, ServerConfig)
 
 DEFAULT_MODEL = "smollm2-135m"
 EXIT_BAD_INPUT = 2  # bad model file / bad arguments
@@ -33,6 +34,13 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-dtype", default="auto")
     p.add_argument("--attention-backend", default="auto", choices=("auto", "dense", "triton"),
                    help="attention kernels (auto: triton on CUDA, else the dense reference)")
+    p.add_argument("--kvmem-budget", type=int, default=0,
+                   help="retrieval attention: past this many tokens a decode step attends to sink + window + "
+                        "top-k pages per KV head (0: dense)")
+    p.add_argument("--kvmem-sink", type=int, default=DEFAULT_SINK, help="first tokens always attended")
+    p.add_argument("--kvmem-window", type=int, default=DEFAULT_WINDOW, help="last tokens always attended")
+    p.add_argument("--kvmem-selector", default="quest", choices=SELECTORS,
+                   help="page scores: quest (per-channel min/max bound) | quest-max | meankey (baseline)")
     p.add_argument("--cuda-graphs", default="auto", choices=("auto", "on", "off"),
                    help="capture decode steps as CUDA graphs (auto: on CUDA with the triton backend)")
     p.add_argument("--page-size", type=int, default=DEFAULT_PAGE_SIZE)
@@ -57,7 +65,9 @@ def _engine_config(a: argparse.Namespace) -> EngineConfig:
                         prefill_chunk=a.prefill_chunk, max_model_len=a.max_model_len,
                         cache=cache, threads=a.threads, decode_threads=a.decode_threads,
                         decode_weights=a.decode_weights, weights=a.weights,
-                        attention_backend=a.attention_backend, cuda_graphs=a.cuda_graphs)
+                        attention_backend=a.attention_backend, cuda_graphs=a.cuda_graphs,
+                        retrieval=RetrievalConfig(budget=a.kvmem_budget, sink=a.kvmem_sink,
+                                                  window=a.kvmem_window, selector=a.kvmem_selector))
 
 
 def _sampling_args(p: argparse.ArgumentParser) -> None:
@@ -382,6 +392,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-dtype", default="bf16")
     p.add_argument("--host-kv-mib", type=int, default=0)
     p.set_defaults(fn=cmd_plan)
+    p = sub.add_parser("eval", help="quality evaluations (recall: dense vs retrieval attention)")
+    from kvtier.eval import recall_cli  # torch-free: the evaluation itself is imported when it runs
+    recall_cli.add_parser(p.add_subparsers(dest="eval_cmd", required=True))
     return ap
 
 

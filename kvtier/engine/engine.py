@@ -76,7 +76,8 @@ class Engine:
         kv_dtype = cc.kv_dtype if cc.kv_dtype != "auto" else KV_DTYPE_FOR_COMPUTE[compute]
         fmt = make_format(kv_dtype)
         num_pages = cc.num_pages or self._auto_pages(fmt, spec)
-        backend_name = choose_backend(config.attention_backend, self.device)
+        backend_name = ("retrieval" if config.retrieval.enabled
+                        else choose_backend(config.attention_backend, self.device))
         graphs = self._use_graphs(backend_name)
         # CUDA graphs pad batches with rows that write their K/V into a page no sequence owns
         scratch = num_pages if graphs else None
@@ -100,7 +101,7 @@ class Engine:
         chunk = prefill_chunk_for(self.device.type, config.prefill_chunk)
         self.scheduler = Scheduler(self.manager, config.max_batch, chunk)
         backend = make_backend(backend_name, self.pool, scale=spec.head_dim ** -0.5, host_store=self.host_pool,
-                               max_context=self.max_model_len)
+                               max_context=self.max_model_len, retrieval=config.retrieval)
         self.runner = ModelRunner(model, self.pool, backend, self.device, self.host_pool,
                                   max_seqs=config.max_batch, max_tokens=config.max_batch + chunk,
                                   max_model_len=self.max_model_len, scratch_page=scratch)

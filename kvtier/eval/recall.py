@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import random
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
@@ -30,7 +29,8 @@ from kvtier.kv.formats import PlainFormat
 from kvtier.kv.pool import PagePool
 from kvtier.kv.summaries import PageSummaries
 from kvtier.layers.attention import AttentionMetadata, DensePagedAttention
-from kvtier.layers.retrieval import DEFAULT_SINK, DEFAULT_WINDOW, SELECTORS, RetrievalAttention, RetrievalConfig
+from kvtier.config import DEFAULT_SINK, DEFAULT_WINDOW, SELECTORS, RetrievalConfig
+from kvtier.layers.retrieval import RetrievalAttention
 
 DENSE = "dense"
 HAYSTACKS = ("repeated", "varied")
@@ -41,7 +41,7 @@ QUESTION = {1: "\nWhat is the pass key? The pass key is",
             3: "\nWhat are the three pass keys? The three pass keys are"}
 # Greedy tokens per needle: a 5-digit key is 1-5 tokens, plus a separator or two.
 TOKENS_PER_NEEDLE = 8
-DEFAULT_PAGE_SIZE = 16
+from kvtier.config import DEFAULT_PAGE_SIZE  # noqa: E402
 # Prefill chunk: bounds the [chunk, context] attention of the dense reference path.
 PREFILL_CHUNK = {"cpu": 512, "cuda": 2048}
 
@@ -233,31 +233,6 @@ def to_markdown(table: list[list[str]]) -> str:
     head, *rows = table
     lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
     return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows])
-
-
-def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    """`recall` under `kvtier eval`."""
-    p = subparsers.add_parser("recall", help="passkey recall + fidelity: dense vs retrieval attention")
-    p.add_argument("--model", "-m", default="smollm2-135m", help="model name (kvtier models list) or path")
-    p.add_argument("--lengths", default="1024,2048", help="prompt lengths in tokens, comma-separated")
-    p.add_argument("--depths", default="0.1,0.5,0.9", help="needle depths in [0, 1), comma-separated")
-    p.add_argument("--trials", type=int, default=3)
-    p.add_argument("--needles", default="1", help="1, 3 or 1,3 (3: all must be found)")
-    p.add_argument("--haystack", default="repeated", help="repeated, varied or repeated,varied")
-    p.add_argument("--budget", type=int, default=512, help="kvmem budget in tokens per decode row")
-    p.add_argument("--sink", type=int, default=DEFAULT_SINK)
-    p.add_argument("--window", type=int, default=DEFAULT_WINDOW)
-    p.add_argument("--selectors", default=",".join(SELECTORS))
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--page-size", type=int, default=DEFAULT_PAGE_SIZE)
-    p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
-    p.add_argument("--dtype", default="auto", choices=("auto", "fp32", "bf16", "fp16"))
-    p.add_argument("--mass", action="store_true", help="also record the dense mass the selection covers")
-    p.add_argument("--fidelity-tokens", type=int, default=0,
-                   help="natural-text KL / mass: teacher-forced decode tokens past max(--lengths) (0: off)")
-    p.add_argument("--markdown", type=Path, default=None, help="also write the tables here")
-    p.set_defaults(fn=main)
-    return p
 
 
 def load(model: str, device: str, dtype: str):

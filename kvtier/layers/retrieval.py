@@ -31,56 +31,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvtier.config import RetrievalConfig
 from kvtier.kv.summaries import PageSummaries
 from kvtier.layers.attention import AttentionMetadata, DensePagedAttention, plan_sink_rows
-
-SELECTORS = ("quest", "quest-max", "meankey")
-# Sink tokens: StreamingLLM keeps the first 4 tokens (the attention sinks); rounded up to pages,
-# that is one page at any page size, the least that keeps position 0 in every selection.
-DEFAULT_SINK = 4
-# Recent tokens always attended: local syntax and the running sentence (8 pages of 16); small
-# next to useful budgets (2K-8K) so most of the budget goes to retrieved pages.
-DEFAULT_WINDOW = 128
-
-
-@dataclass(frozen=True)
-class RetrievalConfig:
-    """budget: tokens a decode row may attend to (0: off, always dense); sink: the first tokens
-    always kept (>= 1: position 0 is the attention sink and its page heads every selection);
-    window: the last tokens always kept; selector: one of SELECTORS."""
-
-    budget: int = 0
-    sink: int = DEFAULT_SINK
-    window: int = DEFAULT_WINDOW
-    selector: str = "quest"
-
-    def __post_init__(self) -> None:
-        if self.budget < 0:
-            raise ValueError(f"kvmem budget must be >= 0 tokens (0 = off), got {self.budget}")
-        if self.sink < 1:
-            raise ValueError(f"kvmem sink must be >= 1 token (position 0 is always kept), got {self.sink}")
-        if self.window < 0:
-            raise ValueError(f"kvmem window must be >= 0 tokens, got {self.window}")
-        if self.selector not in SELECTORS:
-            raise ValueError(f"kvmem selector must be one of {', '.join(SELECTORS)}, got {self.selector!r}")
-        if self.budget and self.budget <= self.sink + self.window:
-            raise ValueError(f"kvmem budget {self.budget} leaves nothing to retrieve past sink {self.sink} "
-                             f"+ window {self.window} tokens")
-
-    @property
-    def enabled(self) -> bool:
-        return self.budget > 0
-
-    def page_counts(self, page_size: int) -> tuple[int, int, int]:
-        """(sink pages, most window pages, budget pages) at `page_size`; ValueError when the budget
-        cannot hold the sink, the window and at least one retrieved page."""
-        sink = -(-self.sink // page_size)
-        window = -(-max(self.window, 1) // page_size) + 1  # an unaligned window touches one more page
-        budget = self.budget // page_size
-        if budget < sink + window + 1:
-            raise ValueError(f"kvmem budget {self.budget} tokens = {budget} pages of {page_size}: needs at "
-                             f"least {sink + window + 1} (sink {sink} + window {window} + 1 retrieved)")
-        return sink, window, budget
 
 
 class RetrievalAttention:

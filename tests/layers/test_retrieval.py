@@ -16,7 +16,8 @@ from kvtier.kv.pool import PagePool
 from kvtier.kv.summaries import PageSummaries
 from kvtier.layers.attention import AttentionMetadata, DensePagedAttention
 from kvtier.layers.backends import make_backend
-from kvtier.layers.retrieval import SELECTORS, RetrievalAttention, RetrievalConfig, page_scores
+from kvtier.config import SELECTORS, RetrievalConfig
+from kvtier.layers.retrieval import RetrievalAttention, page_scores
 
 PS, D, PAGES = 4, 8, 96
 

@@ -1,0 +1,39 @@
+"""`kvtier eval recall` arguments, torch-free: the CLI builds its parser without importing torch
+(kvtier/eval/recall.py, which runs the evaluation, is imported only when the command runs)."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from kvtier.config import DEFAULT_PAGE_SIZE, DEFAULT_SINK, DEFAULT_WINDOW, SELECTORS
+
+
+def _run(args: argparse.Namespace) -> int:
+    from kvtier.eval import recall
+    return recall.main(args)
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """`recall` under `kvtier eval`."""
+    p = subparsers.add_parser("recall", help="passkey recall + fidelity: dense vs retrieval attention")
+    p.add_argument("--model", "-m", default="smollm2-135m", help="model name (kvtier models list) or path")
+    p.add_argument("--lengths", default="1024,2048", help="prompt lengths in tokens, comma-separated")
+    p.add_argument("--depths", default="0.1,0.5,0.9", help="needle depths in [0, 1), comma-separated")
+    p.add_argument("--trials", type=int, default=3)
+    p.add_argument("--needles", default="1", help="1, 3 or 1,3 (3: all must be found)")
+    p.add_argument("--haystack", default="repeated", help="repeated, varied or repeated,varied")
+    p.add_argument("--budget", type=int, default=512, help="kvmem budget in tokens per decode row")
+    p.add_argument("--sink", type=int, default=DEFAULT_SINK)
+    p.add_argument("--window", type=int, default=DEFAULT_WINDOW)
+    p.add_argument("--selectors", default=",".join(SELECTORS))
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--page-size", type=int, default=DEFAULT_PAGE_SIZE)
+    p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    p.add_argument("--dtype", default="auto", choices=("auto", "fp32", "bf16", "fp16"))
+    p.add_argument("--mass", action="store_true", help="also record the dense mass the selection covers")
+    p.add_argument("--fidelity-tokens", type=int, default=0,
+                   help="natural-text KL / mass: teacher-forced decode tokens past max(--lengths) (0: off)")
+    p.add_argument("--markdown", type=Path, default=None, help="also write the tables here")
+    p.set_defaults(fn=_run)
+    return p
