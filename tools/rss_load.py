@@ -4,7 +4,7 @@
 
 For each model a child process imports torch, records its RSS (the fixed runtime overhead), then
 loads the checkpoint and builds the Decoder (build.py's path, no KV pool), and prints one JSON
-line: file size, RSS before / after, ru_maxrss (peak) and the decoder's resident weight bytes,
+line: file size, RSS before / after, VmHWM (peak) and the decoder's resident weight bytes,
 with the ratios to the file size that tests/models/test_load_memory.py bounds on SmolLM2.
 """
 
@@ -24,6 +24,12 @@ def rss():
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * resource.getpagesize()
 
+def peak_rss():
+    # VmHWM: this process image's high-water mark. Not ru_maxrss: Linux carries it across fork +
+    # execve, so a child of a large process (a long pytest run) would report its parent's peak.
+    with open("/proc/self/status") as f:
+        return next(int(l.split()[1]) * 1024 for l in f if l.startswith("VmHWM:"))
+
 from kvtier.models.decoder import Decoder
 from kvtier.models.loading import load_checkpoint
 from kvtier.models.hub import resolve_model
@@ -40,7 +46,7 @@ seconds = time.monotonic() - t0
 import os
 print(json.dumps({"model": str(path), "file_bytes": os.path.getsize(path), "weights": weights,
                   "rss_base": base, "rss_after": rss(),
-                  "peak": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+                  "peak": peak_rss(),
                   "weight_bytes": net.weight_bytes(), "load_s": round(seconds, 1)}))
 """
 
