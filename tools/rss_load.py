@@ -25,15 +25,6 @@ def rss():
         return int(f.read().split()[1]) * resource.getpagesize()
 
 def peak_rss():
-    # VmHWM: this address space's high-water mark. ru_maxrss would also count the parent's
-    # resident set copied at fork (Linux carries it across exec), e.g. a big pytest process.
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-
-def peak_rss():
     # VmHWM: this process image's high-water mark. Not ru_maxrss: Linux carries it across fork +
     # execve, so a child of a large process (a long pytest run) would report its parent's peak.
     with open("/proc/self/status") as f:
