@@ -61,6 +61,7 @@ class ModelRunner:
         if t.host_to_gpu:
             src, dst = zip(*t.host_to_gpu)
             self.host_pool.copy_to(self.pool, list(src), list(dst))
+            self.backend.pages_arrived(list(dst))
 
     @torch.inference_mode()
     def execute(self, batch: Batch) -> torch.Tensor:

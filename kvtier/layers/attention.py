@@ -109,6 +109,10 @@ class AttentionBackend(Protocol):
     def attach_host_tier(self, host_store: object | None) -> None:
         """Set the host pool that offloaded pages are streamed from."""
 
+    def pages_arrived(self, page_ids: list[int]) -> None:
+        """Compute-pool pages `page_ids` now hold K/V copied in from another tier (the runner
+        calls this after a host -> GPU swap): state the backend keeps per page must follow."""
+
 
 class StreamingKVStore(KVStore, Protocol):
     """A compute pool that can decode pages of its lower (host) tier (kv/pool.py PagePool)."""
@@ -171,6 +175,9 @@ class DensePagedAttention:
     def attach_host_tier(self, host_store: object | None) -> None:
         """Set the host pool that offloaded pages are streamed from."""
         self.host_store = host_store
+
+    def pages_arrived(self, page_ids: list[int]) -> None:
+        """Nothing per page to follow (the pool carries codes and sink rows itself)."""
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:

@@ -99,6 +99,9 @@ class TritonPagedAttention:
     def attach_host_tier(self, host_store: object | None) -> None:
         self.dense.attach_host_tier(host_store)
 
+    def pages_arrived(self, page_ids: list[int]) -> None:
+        self.dense.pages_arrived(page_ids)
+
     def graph_ready(self, meta: AttentionMetadata) -> bool:
         """A planner-built decode step (AttentionMetadata.decode_step): the split-K kernel reads
         only the meta's device tensors."""

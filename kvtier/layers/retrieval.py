@@ -65,6 +65,24 @@ class RetrievalAttention:
     def attach_host_tier(self, host_store: object | None) -> None:
         self.dense.attach_host_tier(host_store)
 
+    def pages_arrived(self, page_ids: list[int]) -> None:
+        """Swapped-in pages (prefix hits from the host tier, a sequence's pages brought back):
+        their summaries are recomputed from the keys now in the pool, so a page never ranks by
+        the keys of whatever it held before. Read back per layer (K minus the pool's smoothing
+        shift), the shift added again: summaries bound raw q.k. Whole pages: only full pages
+        move between tiers."""
+        if not page_ids:
+            return
+        store = self.store
+        ids = torch.tensor(page_ids, dtype=torch.long, device=store.device)
+        rows = torch.full((len(page_ids),), store.page_size, dtype=torch.int32, device=store.device)
+        for layer in range(store.num_layers):
+            k, _ = store.read(layer, ids)  # [P, Hkv, S, D], minus k_shift[layer] (smoothing formats)
+            shift = store.k_shift[layer]
+            if shift is not None:
+                k = k.float() + shift.float()[None, :, None, :]
+            self.summaries.refresh(layer, ids, k, rows)
+
     def graph_ready(self, meta: AttentionMetadata) -> bool:
         return False  # Python-list selection tables: eager only (a Triton version can change that)
 

@@ -211,3 +211,29 @@ def test_config_validation_and_registry():
         make_backend("retrieval", pool, 1.0)
     assert make_backend("retrieval", pool, 1.0, retrieval=RetrievalConfig(budget=64, window=8)).name == "retrieval"
     assert not RetrievalConfig().enabled
+
+
+@pytest.mark.parametrize("fmt_name", ["fp32", "int8"])
+def test_pages_swapped_in_get_their_own_summaries(fmt_name):
+    """A page brought back from the host tier is summarised by the keys it now holds, not by its
+    previous occupant's (the seeds' restored contexts ranked by another context's index)."""
+    g = torch.Generator().manual_seed(7)
+    layers, hkv = 2, 2
+    gpu = PagePool(make_format(fmt_name), layers, 8, hkv, PS, D, "cpu", compute_dtype=torch.float32)
+    host = PagePool(make_format(fmt_name), layers, 8, hkv, PS, D, "cpu", compute_dtype=torch.float32)
+    att = RetrievalAttention(gpu, D ** -0.5, RetrievalConfig(budget=4 * PS, sink=1, window=1))
+    old, new = (torch.randn(layers, PS, hkv, D, generator=g) * 2 + 1 for _ in range(2))
+    for layer in range(layers):
+        for page, keys in ((3, old), (6, new)):  # page 3: the old occupant; page 6: what comes back
+            slots = torch.arange(page * PS, page * PS + PS)
+            gpu.write(layer, slots, keys[layer], torch.randn(PS, hkv, D, generator=g))
+            att.summaries.update(layer, slots, keys[layer])
+    gpu.copy_to(host, [6], [5])  # offloaded (with the GPU pool's smoothing constants) ...
+    host.copy_to(gpu, [5], [3])  # ... and brought back into page 3
+    att.pages_arrived([3])
+    tol = 1e-5 if fmt_name == "fp32" else 0.05 * float(new.abs().max())  # int8: within its code steps
+    for layer in range(layers):
+        torch.testing.assert_close(att.summaries.kmin[layer, 3], new[layer].amin(0), atol=tol, rtol=0)
+        torch.testing.assert_close(att.summaries.kmax[layer, 3], new[layer].amax(0), atol=tol, rtol=0)
+        assert int(att.summaries.count[layer, 3]) == PS
+        assert not torch.allclose(att.summaries.kmax[layer, 3], old[layer].amax(0), atol=tol, rtol=0)
