@@ -29,8 +29,9 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--decode-weights", default="auto", choices=("auto", "dense", "int8"),
                    help="small-batch matmuls: int8 weight copy (auto: on CPU with bf16)")
     p.add_argument("--weights", default="auto", choices=("auto", "bf16", "int8", "int4"),
-                   help="matmul weights as loaded (auto: a GGUF's own quantized format, safetensors "
-                        "dense; int8/int4: round-to-nearest at load)")
+                   help="matmul weights as loaded (auto: a GGUF's own quantized format, one copy; dense "
+                        "on CPU for GGUFs up to 256 MiB, where it is faster; safetensors dense; int8/int4: "
+                        "round-to-nearest at load)")
     p.add_argument("--kv-dtype", default="auto")
     p.add_argument("--attention-backend", default="auto", choices=("auto", "dense", "triton"),
                    help="attention kernels (auto: triton on CUDA, else the dense reference)")

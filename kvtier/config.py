@@ -157,7 +157,8 @@ class EngineConfig:
     # Small-batch matmul weights: auto = an int8 copy on CPU with bf16 (layers/linear.py), else dense
     decode_weights: str = "auto"
     # Matmul weights as loaded (models/loading): auto = the file's own format for GGUF (dense with
-    # --decode-weights dense), bf16 (dense) for safetensors; int8 / int4 = quantize_rtn at load
+    # --decode-weights dense, and on CPU for small files: engine/build.py CPU_DENSE_AUTO_MAX_FILE),
+    # bf16 (dense) for safetensors; int8 / int4 = quantize_rtn at load
     weights: str = "auto"
     # layers/backends.py: auto = the fastest the device supports (triton on CUDA, else dense)
     attention_backend: str = "auto"
