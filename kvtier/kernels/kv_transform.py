@@ -29,7 +29,7 @@ from __future__ import annotations
 import torch
 
 from kvtier.kv.formats import (FP8_E4M3_MAX, INT4_BIAS, INT4_MAX, INT8_MAX, MIN_SCALE, Codec, Fp8Codec,
-                               Int4Codec, Int8Codec, KVFormat, PlainCodec)
+                               Int4Codec, Int8Codec, KVFormat, PlainCodec, inv_sqrt_f32)
 
 try:
     import triton
@@ -188,7 +188,7 @@ def transform_supported(x: torch.Tensor) -> bool:
 def _shape_args(t: int, d: int, device: torch.device, fmt: KVFormat) -> tuple[tuple[int, int], dict, torch.Tensor]:
     """(row blocks, constexprs, R) for t rows: one row a program up to ROW_MAX_T, else tiles."""
     block = 1 if t <= ROW_MAX_T else TILE_T
-    inv = float(torch.tensor(d ** -0.5, dtype=torch.float32))
+    inv = inv_sqrt_f32(d)
     warps = ROW_WARPS if block == 1 else TILE_WARPS
     return (triton.cdiv(t, block), block), dict(D=d, BLOCK_T=block, INV_SQRT_D=inv, num_warps=warps), \
         fmt.rotation(d, device)

@@ -43,7 +43,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kvtier.kv.formats import INT4_BIAS, Codec, Fp8Codec, Int4Codec, Int8Codec, KVFormat, PlainCodec
+from kvtier.kv.formats import (INT4_BIAS, Codec, Fp8Codec, Int4Codec, Int8Codec, KVFormat, PlainCodec,
+                               inv_sqrt_f32)
 
 try:
     import triton
@@ -403,7 +404,7 @@ def split_constants(fmt: KVFormat, head_dim: int, page_size: int, gqa: int, dtyp
     fold = dict(Q_SMOOTH=False, Q_ROTATE=False, INV_SQRT_D=1.0)
     if native is not None:
         fold = dict(Q_SMOOTH=native.channel_scale is not None, Q_ROTATE=native.rotate_q,
-                    INV_SQRT_D=float(torch.tensor(head_dim ** -0.5, dtype=torch.float32)))
+                    INV_SQRT_D=inv_sqrt_f32(head_dim))
     return dict(S=page_size, D=head_dim, G_PAD=max(MIN_DOT_ROWS, _pow2(gqa)), PAGES=pages,
                 HAS_SINK=has_sink, SINGLE=single, **fold, **_codec_constants(fmt, head_dim, dtype))
 

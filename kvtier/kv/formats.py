@@ -30,6 +30,7 @@ Two exact transforms make the quantized formats accurate on real models
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -169,6 +170,13 @@ class Int4Codec(Codec):
         d, n_groups = q.shape[-1], scale.shape[-1]
         q = q.reshape(*q.shape[:-1], n_groups, d // n_groups) * scale.float().unsqueeze(-1)
         return q.reshape(*packed.shape[:-1], d).to(out_dtype)
+
+
+@functools.lru_cache(maxsize=None)
+def inv_sqrt_f32(d: int) -> float:
+    """1 / sqrt(d) rounded to fp32, as a Python float: the scale kernels apply after summing
+    +-1 Hadamard signs (cached: it sits on every layer's launch)."""
+    return float(torch.tensor(d ** -0.5, dtype=torch.float32))
 
 
 def hadamard(d: int, device: torch.device | str = "cpu") -> torch.Tensor:
