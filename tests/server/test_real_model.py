@@ -309,12 +309,13 @@ def test_messages_tool_session_caches_the_whole_previous_turn(ant):
 
 def test_progress_in_sse_comments_and_server_log(real_server):
     nonce = secrets.token_hex(4)  # a prompt the prefix cache has not seen
-    words = " ".join(f"item{i} {nonce}" for i in range(140))  # ~1,500 tokens: a few s of prefill
-    body = {"model": MODEL, "messages": user(f"Repeat the last word. {words}"), "max_tokens": 24, "stream": True,
-            "return_progress": True, **GREEDY}
+    words = " ".join(f"item{i} {nonce}" for i in range(130))  # ~1,600 tokens: a few s of prefill
+    body = {"model": MODEL, "messages": user(f"Repeat the last word. {words}"), "max_tokens": 256, "stream": True,
+            "ignore_eos": True, "return_progress": True, **GREEDY}  # a few s of answering too
     comments, progress_chunks = [], []
     with httpx.stream("POST", real_server.url + "/v1/chat/completions", json=body, timeout=300,
                       headers={"Authorization": f"Bearer {API_KEY}"}) as r:
+        assert r.status_code == 200, r.read()
         for line in r.iter_lines():
             if line.startswith(": progress "):
                 comments.append(json.loads(line[len(": progress "):]))
@@ -325,7 +326,7 @@ def test_progress_in_sse_comments_and_server_log(real_server):
     assert [p["processed"] for p in comments] == sorted(p["processed"] for p in comments)
     log = real_server.output()
     assert re.search(r"reading the prompt: [\d,]+ of [\d,]+ tokens \([\d,]+ cached\), \d+ s so far", log), log[-2000:]
-    assert re.search(r"answering: [\d,]+ of max 24 tokens, [\d.]+ tok/s, \d+ s", log), log[-2000:]
+    assert re.search(r"answering: [\d,]+ of max 256 tokens, [\d.]+ tok/s, \d+ s", log), log[-2000:]
 
 
 def test_metrics_expose_kv_cache_figures(oai, real_server):
