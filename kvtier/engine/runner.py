@@ -58,10 +58,11 @@ class ModelRunner:
         if t.gpu_to_host:
             src, dst = zip(*t.gpu_to_host)
             self.pool.copy_to(self.host_pool, list(src), list(dst))
+            self.backend.pages_departed(list(src), list(dst))
         if t.host_to_gpu:
             src, dst = zip(*t.host_to_gpu)
             self.host_pool.copy_to(self.pool, list(src), list(dst))
-            self.backend.pages_arrived(list(dst))
+            self.backend.pages_arrived(list(dst), list(src))
 
     @torch.inference_mode()
     def execute(self, batch: Batch) -> torch.Tensor:

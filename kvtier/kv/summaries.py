@@ -22,8 +22,11 @@ Memory: (3 * kv_heads * head_dim * 4 + 4) bytes per page per layer (page_size do
 Qwen2.5-1.5B (2 kv heads x 128) 3,076 B a page-layer against 16 KiB of bf16 K/V for a 16-token
 page (19%); without the mean key (meankey selector unused) it would be 2/3 of that.
 
-Not yet covered: pages copied in from the host tier (PagePool.copy_to) keep their old summaries
-until `refresh` is called for them (see `refresh`).
+Pages moving between tiers take their summaries with them (`copy_rows`): a host tier has its own
+PageSummaries, kept on the compute device (the selection scores host pages without touching them),
+filled when pages are copied down and read back when they are copied up, so a page's summary is
+always the one computed from the raw keys written into it, whichever tier it sits in. `refresh`
+recomputes pages from their stored keys (pages whose summaries were never recorded).
 """
 
 from __future__ import annotations
@@ -97,6 +100,15 @@ class PageSummaries:
         self.kmax[layer, page_ids] = kf.masked_fill(~m, float("-inf")).amax(dim=2)
         self.ksum[layer, page_ids] = kf.masked_fill(~m, 0.0).sum(dim=2)
         self.count[layer, page_ids] = rows.to(torch.int32)
+
+    def copy_rows(self, src: "PageSummaries", src_ids: torch.Tensor, dst_ids: torch.Tensor) -> None:
+        """Every layer's summaries of pages `src_ids` of `src` -> pages `dst_ids` here (the pages'
+        K/V were copied the same way between two pools of one geometry)."""
+        if (src.num_layers, src.kv_heads, src.head_dim) != (self.num_layers, self.kv_heads, self.head_dim):
+            raise ValueError("copy_rows between summaries of different geometry")
+        si, di = src_ids.to(src.device), dst_ids.to(self.device)
+        for name in ("kmin", "kmax", "ksum", "count"):
+            getattr(self, name)[:, di] = getattr(src, name)[:, si].to(self.device)
 
     def mean(self, layer: int, page_ids: torch.Tensor) -> torch.Tensor:
         """Mean key of pages: page_ids [...] -> [..., Hkv, D] (zeros for empty pages)."""

@@ -109,9 +109,14 @@ class AttentionBackend(Protocol):
     def attach_host_tier(self, host_store: object | None) -> None:
         """Set the host pool that offloaded pages are streamed from."""
 
-    def pages_arrived(self, page_ids: list[int]) -> None:
+    def pages_arrived(self, page_ids: list[int], from_host: list[int] | None = None) -> None:
         """Compute-pool pages `page_ids` now hold K/V copied in from another tier (the runner
-        calls this after a host -> GPU swap): state the backend keeps per page must follow."""
+        calls this after a host -> GPU swap, with the host pages they came from): state the
+        backend keeps per page must follow."""
+
+    def pages_departed(self, page_ids: list[int], to_host: list[int]) -> None:
+        """Compute-pool pages `page_ids` were copied down to host pages `to_host` (the runner
+        calls this after a GPU -> host copy, before any host -> GPU one of the step)."""
 
 
 class StreamingKVStore(KVStore, Protocol):
@@ -176,8 +181,11 @@ class DensePagedAttention:
         """Set the host pool that offloaded pages are streamed from."""
         self.host_store = host_store
 
-    def pages_arrived(self, page_ids: list[int]) -> None:
+    def pages_arrived(self, page_ids: list[int], from_host: list[int] | None = None) -> None:
         """Nothing per page to follow (the pool carries codes and sink rows itself)."""
+
+    def pages_departed(self, page_ids: list[int], to_host: list[int]) -> None:
+        """Nothing per page to follow."""
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:

@@ -99,8 +99,11 @@ class TritonPagedAttention:
     def attach_host_tier(self, host_store: object | None) -> None:
         self.dense.attach_host_tier(host_store)
 
-    def pages_arrived(self, page_ids: list[int]) -> None:
-        self.dense.pages_arrived(page_ids)
+    def pages_arrived(self, page_ids: list[int], from_host: list[int] | None = None) -> None:
+        self.dense.pages_arrived(page_ids, from_host)
+
+    def pages_departed(self, page_ids: list[int], to_host: list[int]) -> None:
+        self.dense.pages_departed(page_ids, to_host)
 
     def graph_ready(self, meta: AttentionMetadata) -> bool:
         """A planner-built decode step (AttentionMetadata.decode_step): the split-K kernel reads

@@ -11,8 +11,18 @@ heads of a GQA group choose together):
     k = budget // page_size - sink pages - window pages
 
 and attends exactly (softmax over the selected keys only) over those pages. Everything else (prefill
-chunks, sequences at or under the budget, sequences with host-tier pages) goes through the owned
-DensePagedAttention unchanged, so under the budget this backend IS dense attention.
+chunks, sequences at or under the budget) goes through the owned DensePagedAttention unchanged, so
+under the budget this backend IS dense attention.
+
+Host tier: a sequence longer than the compute pool has its oldest pages in the host tier (negative
+page-table entries, kv/manager.py). Their summaries sit in a second PageSummaries on the compute
+device (`host_summaries`), filled as pages are copied down (`pages_departed`) and read back as they
+come up (`pages_arrived`), so candidates are scored alike in either tier. A selecting row then
+fetches only the host pages some kv head chose, through `HostPageCache`: per layer, an LRU of
+recently fetched pages (decoded, on the compute device); a miss moves that page's stored codes for
+that layer (`PagePool.read_from`), a hit moves nothing. `fetch_stats` counts pages asked for, hits,
+misses and the stored bytes the misses moved. The same selection reads the same keys whichever tier
+they sit in, so host tier forced == everything on the GPU, token for token (tests/engine).
 
 Selectors (score of a candidate page for a query row; q grouped [Hkv, g, D]):
     quest      sum over the group of the Quest bound sum_d max(q_d min_d, q_d max_d) >= max q.k
@@ -27,6 +37,7 @@ the selected pages of all kv heads and keeps each head's own (Hkv x the bytes a 
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import torch
@@ -58,21 +69,59 @@ class RetrievalAttention:
         self.native = self.dense.native
         self.summaries = summaries if summaries is not None else PageSummaries.for_pool(store)
         self.record = record
+        self.host_summaries: PageSummaries | None = None
+        self.host_cache: HostPageCache | None = None
+        self.attach_host_tier(host_store)
         self.mass_log: list[torch.Tensor] = []
         self.last_selection: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # layer -> (idx, valid)
         self.retrieved_rows = 0  # decode rows (x layers) that attended to a selection
 
     def attach_host_tier(self, host_store: object | None) -> None:
         self.dense.attach_host_tier(host_store)
+        self.host_store = host_store
+        if host_store is None:
+            self.host_summaries = self.host_cache = None
+            return
+        st = self.store
+        self.host_summaries = PageSummaries(st.num_layers, host_store.num_pages, st.kv_heads,  # type: ignore[attr-defined]
+                                            st.head_dim, st.page_size, st.device)
+        self.host_cache = HostPageCache(st.num_layers, FETCH_CACHE_BUDGETS * self.budget_pages)
 
-    def pages_arrived(self, page_ids: list[int]) -> None:
-        """Swapped-in pages (prefix hits from the host tier, a sequence's pages brought back):
-        their summaries are recomputed from the keys now in the pool, so a page never ranks by
-        the keys of whatever it held before. Read back per layer (K minus the pool's smoothing
-        shift), the shift added again: summaries bound raw q.k. Whole pages: only full pages
-        move between tiers."""
+    @property
+    def fetch_stats(self) -> dict[str, int]:
+        """Host pages asked for by selections (per layer), cache hits, misses, bytes the misses moved."""
+        return dict(self.host_cache.stats) if self.host_cache is not None else {}
+
+    def pages_departed(self, page_ids: list[int], to_host: list[int]) -> None:
+        """Pages copied down keep their summaries in the host tier; what the fetch cache held for
+        those host pages is stale."""
+        if self.host_summaries is None or not page_ids:
+            return
+        self.host_summaries.copy_rows(self.summaries, torch.tensor(page_ids, dtype=torch.long),
+                                      torch.tensor(to_host, dtype=torch.long))
+        self.host_cache.drop(to_host)  # type: ignore[union-attr]
+
+    def pages_arrived(self, page_ids: list[int], from_host: list[int] | None = None) -> None:
+        """Swapped-in pages (prefix hits from the host tier, a sequence's pages brought back) take
+        the summaries their host pages kept; pages with none recorded are recomputed from the keys
+        now in the pool, so a page never ranks by the keys of whatever it held before."""
         if not page_ids:
             return
+        if from_host is not None and self.host_summaries is not None:
+            src = torch.tensor(from_host, dtype=torch.long)
+            known = (self.host_summaries.count[0, src.to(self.host_summaries.device)] > 0).cpu()
+            if bool(known.any()):
+                self.summaries.copy_rows(self.host_summaries, src[known],
+                                         torch.tensor(page_ids, dtype=torch.long)[known])
+            page_ids = [p for p, k in zip(page_ids, known.tolist()) if not k]
+            if not page_ids:
+                return
+        self._refresh(page_ids)
+
+    def _refresh(self, page_ids: list[int]) -> None:
+        """Summaries recomputed from the pool: read back per layer (K minus the pool's smoothing
+        shift), the shift added again: summaries bound raw q.k. Whole pages: only full pages
+        move between tiers."""
         store = self.store
         ids = torch.tensor(page_ids, dtype=torch.long, device=store.device)
         rows = torch.full((len(page_ids),), store.page_size, dtype=torch.int32, device=store.device)
@@ -109,11 +158,10 @@ class RetrievalAttention:
     # -- per step ---------------------------------------------------------------------------------
 
     def _plan(self, meta: AttentionMetadata) -> "_RetrievalPlan":
-        """Which rows select (decode rows past the budget, all pages on the device), their
-        candidate / fixed page tables, and a dense plan for the rest."""
+        """Which rows select (decode rows past the budget, in either tier), their candidate /
+        fixed page tables, and a dense plan for the rest."""
         qsl, budget = meta.query_start_loc, self.config.budget
-        sel = [b for b in range(meta.num_seqs)
-               if qsl[b + 1] - qsl[b] == 1 and meta.seq_lens[b] > budget and meta.page_tables[b][0] >= 0]
+        sel = [b for b in range(meta.num_seqs) if qsl[b + 1] - qsl[b] == 1 and meta.seq_lens[b] > budget]
         if not sel:
             self.dense.plan(meta)
             return _RetrievalPlan()
@@ -177,7 +225,8 @@ class RetrievalAttention:
         pages first (sink page 0 at column 0), then the top-k candidates per kv head."""
         r, hkv = q.shape[0], self.store.kv_heads
         qg = q.float().view(r, hkv, -1, q.shape[-1])  # [R, Hkv, g, D]
-        scores = page_scores(self.config.selector, qg, self.summaries, layer, sel.cand_ids)  # [R, Hkv, C]
+        scores = page_scores(self.config.selector, qg, self.summaries, layer, sel.cand_ids,
+                             self.host_summaries)  # [R, Hkv, C]
         scores = scores.masked_fill(sel.cand_idx[:, None, :] < 0, float("-inf"))
         top = scores.topk(sel.k, dim=-1).indices  # [R, Hkv, K]
         c = sel.cand_idx.shape[1]
@@ -195,7 +244,7 @@ class RetrievalAttention:
         idx, ids, valid = self.select(layer, q, sel)
         r, hkv, n_sel = idx.shape
         ps, d = self.store.page_size, q.shape[-1]
-        kp, vp = self.store.read(layer, ids.reshape(-1), sel.starts, native=self.native)  # [R*Hkv*n, Hkv, ps, D]
+        kp, vp = self._read(layer, ids.reshape(-1), idx.reshape(-1), sel.starts)  # [R*Hkv*n, Hkv, ps, D]
         # keep kv head h's rows of the pages head h chose: the diagonal over (list head, page head)
         kk = kp.view(r, hkv, n_sel, hkv, ps, d).diagonal(dim1=1, dim2=3).permute(0, 4, 1, 2, 3)
         vv = vp.view(r, hkv, n_sel, hkv, ps, d).diagonal(dim1=1, dim2=3).permute(0, 4, 1, 2, 3)
@@ -210,13 +259,64 @@ class RetrievalAttention:
             self.mass_log.append(self._selected_mass(layer, qn, sel, idx, valid))
         return self.store.native_out(o) if self.native else o
 
+    def _read(self, layer: int, ids: torch.Tensor, idx: torch.Tensor, starts: torch.Tensor,
+              cache: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+        """Pages `ids` ([N]; negative: host_ref) of one layer -> k, v [N, Hkv, ps, D], compute
+        pool pages read in place, host pages fetched (through the cache unless `cache` is False).
+        idx: [N] each entry's page index in its sequence (0: a sequence's first page, whose row 0
+        comes from the sink slots); starts: those entries' positions (all-compute-pool case)."""
+        host = ids < 0
+        if self.host_store is None or not bool(host.any()):
+            return self.store.read(layer, ids, starts, native=self.native)
+        gpu_pos = (~host).nonzero().squeeze(1)
+        host_pos = host.nonzero().squeeze(1)
+        first = idx == 0
+        kh, vh = self._fetch(layer, -1 - ids.index_select(0, host_pos), first.index_select(0, host_pos), cache)
+        k = kh.new_empty((ids.numel(), *kh.shape[1:]))
+        v = vh.new_empty((ids.numel(), *vh.shape[1:]))
+        k[host_pos], v[host_pos] = kh, vh
+        if gpu_pos.numel():
+            g_ids = ids.index_select(0, gpu_pos)
+            g_starts = first.index_select(0, gpu_pos).nonzero().squeeze(1)
+            kg, vg = self.store.read(layer, g_ids, g_starts, native=self.native)
+            k[gpu_pos], v[gpu_pos] = kg, vg
+        return k, v
+
+    def _fetch(self, layer: int, host_ids: torch.Tensor, first: torch.Tensor,
+               cache: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """Host pages host_ids ([N], repeats allowed; first: [N] page index 0) of one layer -> k, v
+        [N, Hkv, ps, D] on the compute device: each distinct page read once, from the cache when
+        it holds it, else from the host pool (its stored codes cross the bus, then decoded)."""
+        uniq, inv = host_ids.unique(return_inverse=True)
+        is_first = torch.zeros(uniq.numel(), dtype=torch.bool, device=uniq.device)
+        is_first[inv[first]] = True
+        if not cache or self.host_cache is None:
+            k, v = self.store.read_from(self.host_store, layer, uniq, is_first.nonzero().squeeze(1),
+                                        native=self.native)
+            return k[inv], v[inv]
+        hc = self.host_cache
+        pages = uniq.tolist()
+        slots = hc.lookup(layer, pages)
+        miss = [i for i, sl in enumerate(slots) if sl is None]
+        if miss:
+            mi = torch.tensor(miss, dtype=torch.long, device=uniq.device)
+            k, v = self.store.read_from(self.host_store, layer, uniq[mi], is_first[mi].nonzero().squeeze(1),
+                                        native=self.native)
+            new = hc.insert(layer, [pages[i] for i in miss], k, v, keep=set(pages))
+            for i, sl in zip(miss, new):
+                slots[i] = sl
+            hc.stats["miss_bytes"] += len(miss) * self.host_store.bytes_per_page() // self.store.num_layers  # type: ignore[attr-defined]
+        sl = torch.tensor(slots, dtype=torch.long, device=hc.k.device)[inv.to(hc.k.device)]
+        return hc.k[layer].index_select(0, sl), hc.v[layer].index_select(0, sl)
+
     def _selected_mass(self, layer: int, q: torch.Tensor, sel: "_Selection", idx: torch.Tensor,
                        valid: torch.Tensor) -> torch.Tensor:
         """Share of each query head's dense softmax mass on the selected keys: -> [R, Hq] fp32."""
         r, hkv, _ = idx.shape
         ps, d, n_pages = self.store.page_size, q.shape[-1], sel.table.shape[1]
         starts = torch.arange(r, device=q.device) * n_pages
-        kp, _ = self.store.read(layer, sel.table.reshape(-1), starts, native=self.native)
+        kp, _ = self._read(layer, sel.table.reshape(-1), torch.arange(n_pages, device=q.device).repeat(r),
+                           starts, cache=False)
         kk = kp.view(r, n_pages, hkv, ps, d).permute(0, 2, 1, 3, 4).reshape(r, hkv, n_pages * ps, d)
         s = q.float().view(r, hkv, -1, d) @ kk.float().transpose(-1, -2) * self.scale  # [R, Hkv, g, L]
         live = torch.arange(n_pages * ps, device=q.device)[None, :] < sel.ctx[:, None]  # [R, L]
@@ -225,6 +325,75 @@ class RetrievalAttention:
         chosen.scatter_add_(-1, idx, valid.to(torch.int32))  # padding entries (idx 0) add nothing
         chosen = (chosen > 0).repeat_interleave(ps, dim=-1)[:, :, None, :]  # [R, Hkv, 1, L]
         return (p * chosen).sum(-1).reshape(r, -1)
+
+
+# Host pages the fetch cache keeps per layer, in budgets: a selection's pages plus its recent past.
+FETCH_CACHE_BUDGETS = 2
+
+
+class HostPageCache:
+    """Per layer, an LRU of host pages fetched to the compute device (decoded, as attention reads
+    them): `lookup` / `insert` by host page id, `drop` when a host page gets new contents.
+    stats: asked (distinct host pages a layer's selections named), hits, misses, miss_bytes."""
+
+    def __init__(self, num_layers: int, pages: int):
+        self.capacity = max(pages, 1)
+        self.k: torch.Tensor | None = None  # [L, capacity, Hkv, ps, D], allocated on first insert
+        self.v: torch.Tensor | None = None
+        self.slot_of: list[OrderedDict[int, int]] = [OrderedDict() for _ in range(num_layers)]
+        self.free: list[list[int]] = [list(range(self.capacity - 1, -1, -1)) for _ in range(num_layers)]
+        self.stats = dict.fromkeys(("asked", "hits", "misses", "miss_bytes"), 0)
+
+    def lookup(self, layer: int, pages: list[int]) -> list[int | None]:
+        table = self.slot_of[layer]
+        out = []
+        for p in pages:
+            sl = table.get(p)
+            if sl is not None:
+                table.move_to_end(p)
+            out.append(sl)
+        hits = sum(sl is not None for sl in out)
+        self.stats["asked"] += len(pages)
+        self.stats["hits"] += hits
+        self.stats["misses"] += len(pages) - hits
+        return out
+
+    def insert(self, layer: int, pages: list[int], k: torch.Tensor, v: torch.Tensor,
+               keep: set[int]) -> list[int]:
+        """Store fetched pages (k, v: [n, Hkv, ps, D]); evicts least recently used pages not in
+        `keep` (this step's). -> their slots. A step naming more pages than fit grows the cache."""
+        if self.k is None:
+            self.k = k.new_empty((len(self.slot_of), self.capacity, *k.shape[1:]))
+            self.v = v.new_empty((len(self.slot_of), self.capacity, *v.shape[1:]))
+        table, free = self.slot_of[layer], self.free[layer]
+        while len(free) < len(pages):
+            victim = next((p for p in table if p not in keep), None)
+            if victim is None:
+                self._grow(len(pages) - len(free))
+                continue
+            free.append(table.pop(victim))
+        slots = [free.pop() for _ in pages]
+        for p, sl in zip(pages, slots):
+            table[p] = sl
+        idx = torch.tensor(slots, dtype=torch.long, device=self.k.device)
+        self.k[layer].index_copy_(0, idx, k.to(self.k.device))
+        self.v[layer].index_copy_(0, idx, v.to(self.v.device))
+        return slots
+
+    def _grow(self, n: int) -> None:
+        old = self.capacity
+        self.capacity += n
+        pad = lambda t: torch.cat([t, t.new_empty((t.shape[0], n, *t.shape[2:]))], dim=1)  # noqa: E731
+        self.k, self.v = pad(self.k), pad(self.v)
+        for free in self.free:
+            free[:0] = list(range(self.capacity - 1, old - 1, -1))
+
+    def drop(self, pages: list[int]) -> None:
+        for table, free in zip(self.slot_of, self.free):
+            for p in pages:
+                sl = table.pop(p, None)
+                if sl is not None:
+                    free.append(sl)
 
 
 @dataclass
@@ -251,24 +420,39 @@ class _RetrievalPlan:
     rest_meta: AttentionMetadata | None = field(default=None, repr=False)  # those rows, for dense
 
 
+def summary_rows(summaries: PageSummaries, host: PageSummaries | None, name: str, layer: int,
+                 ids: torch.Tensor) -> torch.Tensor:
+    """Field `name` (kmin, kmax, ksum, count) of pages `ids` of one layer, a page of either tier
+    (negative ids: host_ref(h) = -1 - h, looked up in `host`) -> [*ids.shape, *field dims]."""
+    rows = getattr(summaries, name)[layer]
+    if host is None:
+        return rows[ids]
+    g = rows[ids.clamp_min(0)]
+    h = getattr(host, name)[layer][(-1 - ids).clamp_min(0)]
+    return torch.where((ids < 0).view(*ids.shape, *([1] * (g.dim() - ids.dim()))), h, g)
+
+
 def page_scores(selector: str, qg: torch.Tensor, summaries: PageSummaries, layer: int,
-                cand_ids: torch.Tensor) -> torch.Tensor:
-    """qg: [R, Hkv, g, D] fp32 raw queries; cand_ids: [R, C] pool pages -> scores [R, Hkv, C].
+                cand_ids: torch.Tensor, host: PageSummaries | None = None) -> torch.Tensor:
+    """qg: [R, Hkv, g, D] fp32 raw queries; cand_ids: [R, C] pages (negative: host tier, whose
+    summaries are `host`) -> scores [R, Hkv, C].
 
     Pages with no summary (never written in this pool) score +inf: chosen first, never missed.
     """
     r, hkv = qg.shape[:2]
+    rows = lambda name: summary_rows(summaries, host, name, layer, cand_ids)  # noqa: E731
+    count = rows("count")  # [R, C]
     if selector == "meankey":
-        mean = summaries.mean(layer, cand_ids)  # [R, C, Hkv, D]
+        mean = rows("ksum") / count.clamp_min(1).float()[..., None, None]  # [R, C, Hkv, D]
         s = torch.einsum("rhd,rchd->rc", qg.mean(2), mean)  # one list for all kv heads
         s = s[:, None, :].expand(r, hkv, -1)
     else:
-        kmin, kmax = summaries.kmin[layer][cand_ids], summaries.kmax[layer][cand_ids]  # [R, C, Hkv, D]
+        kmin, kmax = rows("kmin"), rows("kmax")  # [R, C, Hkv, D]
         # max(q_d min_d, q_d max_d) = max(q_d, 0) max_d + min(q_d, 0) min_d
         bound = (torch.einsum("rhgd,rchd->rhgc", qg.clamp_min(0), kmax)
                  + torch.einsum("rhgd,rchd->rhgc", qg.clamp_max(0), kmin))  # [R, Hkv, g, C]
         s = bound.sum(2) if selector == "quest" else bound.amax(2)
-    empty = summaries.count[layer][cand_ids] == 0  # [R, C]
+    empty = count == 0  # [R, C]
     return s.masked_fill(empty[:, None, :], float("inf"))
 
 

@@ -1,12 +1,12 @@
 """Engine-level retrieval attention on a tiny random Qwen3: budget >= context == dense greedy output;
-a small budget runs mixed steps (prefill chunks beside selecting decode rows) and keeps the pools whole.
-
-The engine builds its backend from EngineConfig (engine/engine.py), which has no kvmem field yet, so
-these tests put a RetrievalAttention over the engine's own pool in place of the dense backend.
+a small budget runs mixed steps (prefill chunks beside selecting decode rows) and keeps the pools whole;
+with the host tier forced (a compute pool smaller than one sequence), selections that fetch host
+pages give the same tokens as the same selections over one big compute pool.
 """
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from kvtier.config import CacheConfig, EngineConfig, ModelSpec
@@ -27,11 +27,12 @@ def tiny_model() -> Decoder:
     return Decoder.from_tensors(SPEC, tensors, torch.float32, "cpu")
 
 
-def engine(model: Decoder, retrieval: RetrievalConfig | None, **kw) -> Engine:
-    cfg = EngineConfig(device="cpu", dtype="fp32", cache=CacheConfig(num_pages=160, page_size=PS), **kw)
+def engine(model: Decoder, retrieval: RetrievalConfig | None, num_pages: int = 160, host_kv_mib: int = 0,
+           kv_dtype: str = "auto", **kw) -> Engine:
+    cache = CacheConfig(num_pages=num_pages, page_size=PS, host_kv_mib=host_kv_mib, kv_dtype=kv_dtype)
+    cfg = EngineConfig(device="cpu", dtype="fp32", cache=cache, retrieval=retrieval or RetrievalConfig(), **kw)
     eng = Engine(model, None, cfg, max_model_len=512)
-    if retrieval is not None:
-        eng.runner.backend = RetrievalAttention(eng.pool, SPEC.head_dim ** -0.5, retrieval)
+    assert isinstance(eng.runner.backend, RetrievalAttention) == (retrieval is not None)
     return eng
 
 
@@ -60,3 +61,23 @@ def test_small_budget_mixed_steps_run_and_select():
     assert eng.runner.backend.retrieved_rows > 0  # decode rows past 48 tokens selected their pages
     eng.manager.check_integrity()
     eng.pool.check_integrity()
+
+
+@pytest.mark.parametrize("kv_dtype", ["auto", "int8"])
+def test_host_tier_forced_retrieval_equals_one_big_pool(kv_dtype):
+    """14 compute pages (56 tokens) for prompts of up to 90 + 24 tokens: every sequence offloads its
+    oldest pages, and its decode rows select among pages of both tiers (fetching the host ones)."""
+    model = tiny_model()
+    cfg = RetrievalConfig(budget=48, sink=4, window=16)
+    ref_eng = engine(model, cfg, prefill_chunk=16, max_batch=1, kv_dtype=kv_dtype)
+    ref = generate(ref_eng)
+    eng = engine(model, cfg, prefill_chunk=16, max_batch=1, num_pages=14, host_kv_mib=1, kv_dtype=kv_dtype)
+    assert generate(eng) == ref
+    assert eng.manager.stats()["offloads"] > 0
+    st = eng.runner.backend.fetch_stats
+    assert st["misses"] > 0 and st["hits"] > 0 and st["asked"] == st["hits"] + st["misses"]
+    assert st["miss_bytes"] == st["misses"] * eng.host_pool.bytes_per_page() // SPEC.num_layers
+    assert eng.runner.backend.retrieved_rows > 0
+    eng.manager.check_integrity()
+    eng.pool.check_integrity()
+    eng.host_pool.check_integrity()
