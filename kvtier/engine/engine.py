@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvtier.config import EngineConfig, prefill_chunk_for
-from kvtier.engine.request import ContextOverflowError, Output, Progress, Request, Usage
+from kvtier.engine.request import ContextOverflowError, Output, PinnedBudget, Progress, Request, Usage
 from kvtier.engine.runner import ModelRunner
 from kvtier.engine.sampler import sample
 from kvtier.engine.scheduler import Scheduler, Sequence
@@ -76,6 +76,9 @@ class Engine:
         kv_dtype = cc.kv_dtype if cc.kv_dtype != "auto" else KV_DTYPE_FOR_COMPUTE[compute]
         fmt = make_format(kv_dtype)
         num_pages = cc.num_pages or self._auto_pages(fmt, spec)
+        # Pinned spans (system prompt, tools, current turn) must fit the retrieval budget.
+        self.pinned_budget = (PinnedBudget(config.retrieval, cc.page_size) if config.retrieval.enabled
+                              else None)
         backend_name = ("retrieval" if config.retrieval.enabled
                         else choose_backend(config.attention_backend, self.device))
         graphs = self._use_graphs(backend_name)
@@ -141,6 +144,8 @@ class Engine:
             raise ContextOverflowError(n, mt, self.max_model_len)
         if req.request_id in self._seqs:
             raise ValueError(f"duplicate request id {req.request_id!r}")
+        if self.pinned_budget is not None:
+            self.pinned_budget.check(req.pinned_spans, n, mt)
         p = req.params
         gen = None
         if p.temperature > 0:
@@ -292,6 +297,7 @@ class AsyncEngine:
         self.engine = engine
         self.model_name = engine.model_name
         self.max_model_len = engine.max_model_len
+        self.pinned_budget = engine.pinned_budget  # None: dense attention, the server pins nothing
         self.tokenizer = engine.tokenizer
         self.vocab_size = engine.model.spec.vocab_size  # logits width (grammar masks match it)
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()

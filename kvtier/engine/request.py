@@ -6,6 +6,11 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvtier.config import RetrievalConfig
+
+# A half-open range [start, end) of prompt token positions.
+Span = tuple[int, int]
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -40,7 +45,12 @@ class SamplingParams:
 @dataclass
 class Request:
     """One generation request. `grammar` is an optional token-mask provider
-    (see engine/sampler.py: `Grammar` protocol) for structured output."""
+    (see engine/sampler.py: `Grammar` protocol) for structured output.
+
+    `pinned_spans`: sorted, disjoint half-open prompt token ranges that retrieval attention
+    always attends (server/spans.py: the system prompt + tools, and the current user turn with
+    the tool trajectory after it); set by the server only when the engine runs retrieval.
+    """
 
     request_id: str
     prompt_token_ids: list[int]
@@ -48,6 +58,7 @@ class Request:
     grammar: Any = None
     priority: int = 0
     arrival_time: float = field(default_factory=time.monotonic)
+    pinned_spans: tuple[Span, ...] = ()
 
 
 @dataclass
@@ -100,3 +111,63 @@ class ContextOverflowError(ValueError):
         super().__init__(
             f"this model's maximum context length is {limit} tokens, but the request has "
             f"{prompt_tokens} prompt tokens and asks for {max_tokens} completion tokens")
+
+
+class PinnedOverBudgetError(ContextOverflowError):
+    """The spans a request pins (system prompt + tools + current turn) plus the sink and recent
+    window do not fit retrieval attention's budget. A ContextOverflowError, so every path that
+    answers a context overflow (400, code context_length_exceeded) answers this too."""
+
+    def __init__(self, need: int, pinned: int, page_size: int, prompt_tokens: int, max_tokens: int,
+                 budget: int):
+        self.need = need
+        self.pinned = pinned
+        self.budget = budget
+        self.prompt_tokens, self.max_tokens, self.limit = prompt_tokens, max_tokens, budget
+        ValueError.__init__(
+            self, f"the system prompt + tools + current turn (with its tool calls and results) need "
+            f"{need:,} tokens of attention ({pinned:,} pinned, rounded to pages of {page_size}, plus "
+            f"the attention sink and the recent window), over the --kvmem-budget of {budget:,}; "
+            f"raise the budget or shorten them")
+
+
+def span_pages(spans: tuple[Span, ...], page_size: int) -> set[int]:
+    """Page indices (position // page_size) the spans touch, each span rounded out to whole pages."""
+    pages: set[int] = set()
+    for start, end in spans:
+        pages.update(range(start // page_size, -(-end // page_size)))
+    return pages
+
+
+@dataclass(frozen=True)
+class PinnedBudget:
+    """Retrieval attention's budget as an admission rule for pinned spans (the engine builds one
+    when `--kvmem-budget` is set; the server reads it to compute spans and refuse early).
+
+    A decode row past the budget attends to the sink pages, the recent window's pages and the
+    pinned pages, then retrieves into what is left; so a request whose pinned pages, with the
+    sink's, plus the window's pages exceed the budget's pages cannot be served faithfully. A
+    request that can never grow past the budget (prompt + max_tokens <= budget) stays dense and
+    is always admitted.
+    """
+
+    retrieval: RetrievalConfig
+    page_size: int
+
+    def check(self, spans: tuple[Span, ...], prompt_len: int, max_tokens: int) -> None:
+        """Raise ValueError for malformed spans, PinnedOverBudgetError when they do not fit."""
+        prev = 0
+        for start, end in spans:
+            if not (prev <= start < end <= prompt_len):
+                raise ValueError(f"pinned spans must be sorted, disjoint, non-empty ranges inside the "
+                                 f"{prompt_len}-token prompt, got {list(spans)}")
+            prev = end
+        budget = self.retrieval.budget
+        if not spans or prompt_len + max_tokens <= budget:
+            return
+        ps = self.page_size
+        sink, window, budget_pages = self.retrieval.page_counts(ps)
+        pinned = span_pages(spans, ps)
+        need_pages = len(pinned | set(range(sink))) + window
+        if need_pages > budget_pages:
+            raise PinnedOverBudgetError(need_pages * ps, len(pinned) * ps, ps, prompt_len, max_tokens, budget)

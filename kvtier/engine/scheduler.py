@@ -50,6 +50,11 @@ class Sequence:
         return self.request.request_id
 
     @property
+    def pinned_spans(self) -> tuple[tuple[int, int], ...]:
+        """Prompt token ranges retrieval attention always attends (Request.pinned_spans)."""
+        return self.request.pinned_spans
+
+    @property
     def num_output(self) -> int:
         return len(self.tokens) - self.prompt_len
 

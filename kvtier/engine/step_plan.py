@@ -48,6 +48,19 @@ def decode_step(batch: Batch) -> bool:
     return all(s.num_tokens == 1 and s.start > 0 and s.sample and s.page_table[0] >= 0 for s in batch.seqs)
 
 
+def pinned_page_indices(spans: tuple[tuple[int, int], ...], page_size: int, num_pages: int) -> list[int]:
+    """Sorted page indices (position // page_size) touched by the half-open token `spans`, each
+    rounded out to whole pages, below `num_pages` (the pages the step's sequence has):
+
+        spans [(0, 5), (13, 20)], page_size 4 -> pages 0, 1 and 3, 4 (page 2 = tokens 8..11 is not)
+    """
+    pages: list[int] = []
+    for start, end in spans:
+        first = max(start // page_size, pages[-1] + 1 if pages else 0)
+        pages.extend(range(first, min(-(-end // page_size), num_pages)))
+    return pages
+
+
 class _Staging:
     """One half of the pinned staging: int64 and int32 host arrays plus the copy's event."""
 
@@ -142,12 +155,17 @@ class StepPlanner:
             table[n_rows:pad_to] = 0
             n_seqs, n_tok, n_out = pad_to, t + extra, n_out + extra
         self._copy(st, n_tok, n_out, n_seqs)
+        pinned = None
+        if any(s.seq.pinned_spans for s in batch.seqs):
+            pinned = [pinned_page_indices(s.seq.pinned_spans, ps, -(-(s.start + s.num_tokens) // ps))
+                      for s in batch.seqs]
         meta = AttentionMetadata(
             query_start_loc=qsl, seq_lens=seq_lens, page_tables=tables,
             slot_mapping=self.slot_mapping[:n_tok], logits_indices=self.logits_indices[:n_out],
             block_table=self.block_table[:n_seqs], seq_lens_t=self.seq_lens[:n_seqs],
             query_start_loc_t=self.query_start_loc[:n_seqs + 1],
-            max_seq_len=max_seq_len or max(seq_lens, default=1), decode_step=decode_step(batch))
+            max_seq_len=max_seq_len or max(seq_lens, default=1), decode_step=decode_step(batch),
+            pinned_pages=pinned)
         return StepInputs(self.input_ids[:n_tok], self.positions[:n_tok], meta, n_rows)
 
     def idle_inputs(self, n_seqs: int, max_seq_len: int) -> StepInputs:

@@ -55,6 +55,11 @@ class AttentionMetadata:
     # Set by the step planner (engine/step_plan.py decode_step): every sequence decodes one
     # sampled token, not its first, from compute-pool pages: a step a decode graph can run.
     decode_step: bool = False
+    # Set by the step planner from Sequence.pinned_spans: per sequence, like page_tables (no
+    # graph padding rows), the sorted page indices (position // page_size, spans rounded out to
+    # whole pages, clipped to this step's pages) that retrieval attention must always attend;
+    # [] for a sequence without spans; None when no sequence in the step has any.
+    pinned_pages: list[list[int]] | None = None
 
     @property
     def num_seqs(self) -> int:

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvtier.config import ServerConfig
+from kvtier.engine.request import PinnedBudget
 from kvtier.server.convert import OutputFormat, ToolChoice, tool_call_tag
 from kvtier.server.errors import APIError, Flavor, bad_request, overloaded
 from kvtier.server.history import OutputMemory
@@ -151,6 +152,12 @@ class ServerContext:
     @property
     def max_model_len(self) -> int:
         return self.engine.max_model_len
+
+    @property
+    def pinned_budget(self) -> PinnedBudget | None:
+        """The engine's retrieval budget for pinned spans; None: dense attention, nothing pinned
+        (also for engines that predate it, such as the tests' fake)."""
+        return getattr(self.engine, "pinned_budget", None)
 
     @property
     def model_name(self) -> str:

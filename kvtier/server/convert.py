@@ -16,9 +16,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvtier.config import ServerConfig
-from kvtier.engine.request import ContextOverflowError, Request, SamplingParams
+from kvtier.engine.request import ContextOverflowError, PinnedOverBudgetError, Request, SamplingParams
 from kvtier.server.errors import APIError, bad_request, overflow_error_from
 from kvtier.server.generation import Prepared
+from kvtier.server.spans import pinned_spans
 
 # The tool prompt used when a model's chat template has no tool support: the
 # Hermes / Qwen2.5 format, which small instruct models follow reasonably well.
@@ -325,12 +326,29 @@ def prepare(ctx, request_id: str, messages: list[dict], tools: list[dict] | None
                                 lambda msgs: render_prompt(ctx.tokenizer, msgs, offered, template_kwargs) + prefill)
     text, ids = prompt.text, prompt.token_ids
     budget = resolve_max_tokens(max_tokens, len(ids), ctx.max_model_len, clamp=clamp_max_tokens)
+    spans = _pinned(ctx, messages, offered, template_kwargs, ids, budget)
     params = sampling_params(body, budget, stop, ctx.config)
     grammar = ctx.grammars.for_request(offered, choice, fmt)
-    return Prepared(request=Request(request_id, ids, params, grammar=grammar),
+    return Prepared(request=Request(request_id, ids, params, grammar=grammar, pinned_spans=spans),
                     tools=bool(offered), starts_in_reasoning=starts_in_reasoning(text), prompt_text=text,
                     tool_names=tuple(t["function"]["name"] for t in offered or []), memory=ctx.outputs,
                     prefill=prefill)
+
+
+def _pinned(ctx, messages: list[dict], tools: list[dict] | None, template_kwargs: dict | None,
+            ids: list[int], max_tokens: int) -> tuple[tuple[int, int], ...]:
+    """With retrieval attention on: the spans to pin (server/spans.py), refused with the context
+    overflow's 400 when they cannot fit the budget; () otherwise, at no cost."""
+    limits = ctx.pinned_budget
+    if limits is None:
+        return ()
+    spans = pinned_spans(ctx.tokenizer, ctx.outputs, messages,
+                         lambda msgs: render_prompt(ctx.tokenizer, msgs, tools, template_kwargs), ids)
+    try:
+        limits.check(spans, len(ids), max_tokens)
+    except PinnedOverBudgetError as e:
+        raise overflow_error_from(e) from e
+    return spans
 
 
 def prepare_raw(ctx, request_id: str, ids: list[int], body: Any, max_tokens: int | None,
