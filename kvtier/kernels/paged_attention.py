@@ -27,6 +27,10 @@ Sink rows (quantized pools): if sink_slot[block_table[b, 0]] >= 0, key/value 0
 comes from that slot (exact, compute dtype) instead of the quantized page row:
 split 0 starts its softmax from it and every split skips token 0 of the pages.
 
+Per-kv-head page lists (SELECTED, a constexpr; kvtier/kernels/retrieval_attention.py): the same
+kernel with program (b, h, sp) walking entry list (b, h) of a [B, Hkv, n_sel] page-id table
+(with page indices for the position masks) instead of block-table row b: retrieval attention.
+
 `paged_prefill` (second half of this file) is the varlen causal counterpart for many new
 rows per sequence: a flash-attention loop over the same gathered, decoded tiles (`_tile`),
 the same sink start, G query heads of a kv head packed into one tl.dot operand.
@@ -229,23 +233,52 @@ if HAVE_TRITON:
         s0 = tl.sum(q.to(tl.float32) * sk[None, :], axis=1) * qk_scale  # [G_PAD]
         return tl.where(use, s0, m_i), tl.where(use, 1.0, l_i), tl.where(use, acc + sv[None, :], acc)
 
+    @triton.jit
+    def _selected_sink_slot(bt_ptr, idx_ptr, ok_ptr, slot_ptr, e0, p_lo, p_hi, BLOCK: tl.constexpr,
+                            SEL_VALID: tl.constexpr):
+        """Sink slot of the page-index-0 entry among entries p_lo .. p_hi-1 of the list at e0
+        (-1: none there, or its page has no slot): page index ints only, before the page loop."""
+        first = tl.full([BLOCK], -1, tl.int64)  # per lane: a page id of page index 0
+        for j0 in range(p_lo, p_hi, BLOCK):
+            j = j0 + tl.arange(0, BLOCK)
+            m = j < p_hi
+            if SEL_VALID:
+                m = m & (tl.load(ok_ptr + e0 + j, mask=m, other=0) != 0)
+            m = m & (tl.load(idx_ptr + e0 + j, mask=m, other=-1) == 0)
+            first = tl.maximum(first, tl.load(bt_ptr + e0 + j, mask=m, other=-1).to(tl.int64))
+        page = tl.max(first, axis=0)
+        return tl.where(page >= 0, tl.load(slot_ptr + tl.maximum(page, 0)), -1)
+
     # Runtime ints that may be 1 or multiples of 16: not specialised on value (one compile serves all).
-    @triton.jit(do_not_specialize=["Hkv", "G", "num_splits", "stride_bt"])
-    def _split_kernel(q_ptr, k_ptr, ks_ptr, v_ptr, vs_ptr, bt_ptr, lens_ptr, sk_ptr, sv_ptr, slot_ptr,
-                      o_ptr, lse_ptr, cs_ptr, sign_ptr, qk_scale, stride_qb, stride_qh, stride_bt, stride_ob,
-                      stride_oh, stride_os, Hkv, G, num_splits,
+    @triton.jit(do_not_specialize=["Hkv", "G", "num_splits", "stride_bt", "n_sel"])
+    def _split_kernel(q_ptr, k_ptr, ks_ptr, v_ptr, vs_ptr, bt_ptr, lens_ptr, idx_ptr, ok_ptr, sk_ptr, sv_ptr,
+                      slot_ptr, o_ptr, lse_ptr, cs_ptr, sign_ptr, qk_scale, stride_qb, stride_qh, stride_bt,
+                      stride_ob, stride_oh, stride_os, Hkv, G, num_splits, n_sel,
                       S: tl.constexpr, D: tl.constexpr, G_PAD: tl.constexpr, PAGES: tl.constexpr,
                       K_MODE: tl.constexpr, V_MODE: tl.constexpr, K_GROUP: tl.constexpr,
                       V_GROUP: tl.constexpr, BIAS: tl.constexpr, HAS_SINK: tl.constexpr,
                       SINGLE: tl.constexpr, DOT_PREC: tl.constexpr, Q_SMOOTH: tl.constexpr,
-                      Q_ROTATE: tl.constexpr, INV_SQRT_D: tl.constexpr):
-        """One (sequence b, kv head h, split sp): softmax partial of the G query heads of h."""
+                      Q_ROTATE: tl.constexpr, INV_SQRT_D: tl.constexpr, SELECTED: tl.constexpr,
+                      SEL_VALID: tl.constexpr):
+        """One (sequence b, kv head h, split sp): softmax partial of the G query heads of h.
+
+        SELECTED (retrieval_attention.paged_decode_selected): row b's kv head h reads its own
+        list of n_sel entries instead of the sequence's pages: page id bt_ptr[b, h, j], page
+        index idx_ptr[b, h, j] (its keys sit at positions idx * S + t, live iff < lens[b];
+        idx < 0, or ok_ptr[b, h, j] == 0 with SEL_VALID: the entry reads nothing); the splits
+        cut the list, not the sequence. The sink row stands in for token 0 of the entry with
+        page index 0: the split holding that entry finds it first and starts from the sink row.
+        """
         b = tl.program_id(0)
         h = tl.program_id(1)
         sp = tl.program_id(2)
         BLOCK_N: tl.constexpr = PAGES * S
         seq_len = tl.load(lens_ptr + b)
-        n_pages = tl.cdiv(seq_len, S)
+        if SELECTED:
+            e0 = (b * Hkv + h).to(tl.int64) * n_sel  # entry (b, h, 0) of the [B, Hkv, n_sel] tables
+            n_pages = n_sel
+        else:
+            n_pages = tl.cdiv(seq_len, S)
         pps = tl.cdiv(n_pages, num_splits)
         p_lo = sp * pps
         p_hi = tl.minimum(p_lo + pps, n_pages)
@@ -263,22 +296,39 @@ if HAVE_TRITON:
         l_i = tl.zeros([G_PAD], tl.float32)  # running sum of exp2(score - m_i)
         acc = tl.zeros([G_PAD, D], tl.float32)  # running sum of exp2(score - m_i) * v
         t_lo = 0  # first token read from the pages (1 when the sink slot supplies token 0)
-        if HAS_SINK:
+        if HAS_SINK and not SELECTED:
             slot = tl.load(slot_ptr + tl.load(bt_ptr + b * stride_bt))
             t_lo = tl.where(slot >= 0, 1, 0)
             use = (slot >= 0) & (sp == 0) & (seq_len > 0)  # split 0 starts from the sink row
+            m_i, l_i, acc = _sink_start(q, sk_ptr, sv_ptr, (tl.maximum(slot, 0) * Hkv + h) * D, use, qk_scale,
+                                        m_i, l_i, acc, D)
+        if HAS_SINK and SELECTED:  # the split holding the list's page-index-0 entry starts from the sink row
+            slot = _selected_sink_slot(bt_ptr, idx_ptr, ok_ptr, slot_ptr, e0, p_lo, p_hi, BLOCK_N, SEL_VALID)
+            t_lo = tl.where(slot >= 0, 1, 0)
+            use = (slot >= 0) & (seq_len > 0)
             m_i, l_i, acc = _sink_start(q, sk_ptr, sv_ptr, (tl.maximum(slot, 0) * Hkv + h) * D, use, qk_scale,
                                         m_i, l_i, acc, D)
 
         offs = tl.arange(0, BLOCK_N)
         in_page = offs % S
         for p0 in range(p_lo, p_hi, PAGES):
-            pidx = p0 + offs // S  # page index within the sequence, per token of the tile
-            tok = pidx * S + in_page
-            valid = (pidx < p_hi) & (tok < seq_len)
-            if HAS_SINK:
-                valid = valid & (tok >= t_lo)
-            page = tl.load(bt_ptr + b * stride_bt + pidx, mask=pidx < p_hi, other=0).to(tl.int64)
+            pidx = p0 + offs // S  # page index within the sequence (SELECTED: entry index), per token
+            if SELECTED:
+                e_ok = pidx < p_hi
+                pos = tl.load(idx_ptr + e0 + pidx, mask=e_ok, other=-1).to(tl.int32)  # the entry's page index
+                if SEL_VALID:  # loaded beside the page index, not before it (no chain of dependent loads)
+                    pos = tl.where(tl.load(ok_ptr + e0 + pidx, mask=e_ok, other=0) != 0, pos, -1)
+                tok = pos * S + in_page
+                valid = (pos >= 0) & (tok < seq_len)  # pos is -1 past the split's entries
+                if HAS_SINK:
+                    valid = valid & (tok >= t_lo)
+                page = tl.load(bt_ptr + e0 + pidx, mask=e_ok, other=0).to(tl.int64)
+            else:
+                tok = pidx * S + in_page
+                valid = (pidx < p_hi) & (tok < seq_len)
+                if HAS_SINK:
+                    valid = valid & (tok >= t_lo)
+                page = tl.load(bt_ptr + b * stride_bt + pidx, mask=pidx < p_hi, other=0).to(tl.int64)
             row = (page * Hkv + h) * S + in_page
             k, ks = _tile(k_ptr, ks_ptr, row, valid, K_MODE, D, K_GROUP, BLOCK_N, BIAS, half)
             v, vs = _tile(v_ptr, vs_ptr, row, valid, V_MODE, D, V_GROUP, BLOCK_N, BIAS, half)
@@ -395,9 +445,11 @@ def _codec_constants(fmt: KVFormat, head_dim: int, dtype: torch.dtype) -> dict[s
 
 def split_constants(fmt: KVFormat, head_dim: int, page_size: int, gqa: int, dtype: torch.dtype,
                     has_sink: bool, single: bool, num_splits: int = 0,
-                    native: "NativeDomain | None" = None) -> dict[str, object]:
+                    native: "NativeDomain | None" = None, selected: bool = False,
+                    sel_valid: bool = False) -> dict[str, object]:
     """The tl.constexpr arguments of the split kernel (one compiled variant per distinct dict).
-    Plain pages with few splits (long loops: large batches) take LONG_TILE_BYTES tiles."""
+    Plain pages with few splits (long loops: large batches) take LONG_TILE_BYTES tiles.
+    selected / sel_valid: per-(row, kv head) page lists (retrieval_attention), with a validity table."""
     long_loops = not fmt.quantized and 0 < num_splits <= LONG_LOOP_SPLITS
     pages = pages_per_tile(head_dim, page_size, torch.empty((), dtype=dtype).element_size(),
                            LONG_TILE_BYTES if long_loops else TILE_BYTES)
@@ -406,7 +458,8 @@ def split_constants(fmt: KVFormat, head_dim: int, page_size: int, gqa: int, dtyp
         fold = dict(Q_SMOOTH=native.channel_scale is not None, Q_ROTATE=native.rotate_q,
                     INV_SQRT_D=inv_sqrt_f32(head_dim))
     return dict(S=page_size, D=head_dim, G_PAD=max(MIN_DOT_ROWS, _pow2(gqa)), PAGES=pages,
-                HAS_SINK=has_sink, SINGLE=single, **fold, **_codec_constants(fmt, head_dim, dtype))
+                HAS_SINK=has_sink, SINGLE=single, SELECTED=selected, SEL_VALID=sel_valid, **fold,
+                **_codec_constants(fmt, head_dim, dtype))
 
 
 def choose_num_splits(batch: int, kv_heads: int, max_context: int, page_size: int, num_sms: int) -> int:
@@ -488,12 +541,33 @@ def paged_decode(q: torch.Tensor, st: dict[str, torch.Tensor], fmt: KVFormat, bl
     if not HAVE_TRITON:
         raise RuntimeError("paged_decode needs Triton; use paged_decode_reference on CPU")
     _check(q, st, fmt, block_table, seq_lens, num_splits)
+    if block_table.stride(-1) != 1:
+        block_table = block_table.contiguous()
+    return launch_decode(q, st, fmt, block_table, seq_lens, scale, num_splits, sink, out, native)
+
+
+@dataclass(frozen=True)
+class PageLists:
+    """Per-(row, kv head) page lists for the split kernel's SELECTED mode (all contiguous, on q's device).
+
+    page_idx: [B, Hkv, n_sel] page index of each entry within its sequence (< 0: no entry);
+    valid: [B, Hkv, n_sel] uint8 (0: no entry), or None (page_idx alone says)."""
+
+    page_idx: torch.Tensor
+    valid: torch.Tensor | None
+
+
+def launch_decode(q: torch.Tensor, st: dict[str, torch.Tensor], fmt: KVFormat, table: torch.Tensor,
+                  lens: torch.Tensor, scale: float, num_splits: int, sink: Sink | None,
+                  out: torch.Tensor | None, native: NativeDomain | None,
+                  lists: PageLists | None = None) -> torch.Tensor:
+    """The split (+ merge) launch of paged_decode (lists None: table [B, max_pages] block table)
+    and of retrieval_attention.paged_decode_selected (table [B, Hkv, n_sel] page ids); inputs
+    already checked, tables contiguous along their last dim."""
     bsz, hq, d = q.shape
     _, hkv, s, _ = st["k"].shape
     if q.stride(-1) != 1:
         q = q.contiguous()
-    if block_table.stride(-1) != 1:
-        block_table = block_table.contiguous()
     if out is None:
         out = torch.empty((bsz, hq, d), dtype=q.dtype, device=q.device)
     if bsz == 0:
@@ -505,7 +579,7 @@ def paged_decode(q: torch.Tensor, st: dict[str, torch.Tensor], fmt: KVFormat, bl
         dst = torch.empty((bsz, hq, num_splits, d), dtype=torch.float32, device=q.device)
         lse = torch.empty((bsz, hq, num_splits), dtype=torch.float32, device=q.device)
         strides = (dst.stride(0), dst.stride(1), dst.stride(2))
-    sk, sv, slot = sink if sink is not None else (q, q, block_table)  # unused placeholders
+    sk, sv, slot = sink if sink is not None else (q, q, table)  # unused placeholders
     cs, signs, rot = q, q, q  # placeholders when nothing is folded
     if native is not None:
         if not fold_native_supported(d):
@@ -514,11 +588,16 @@ def paged_decode(q: torch.Tensor, st: dict[str, torch.Tensor], fmt: KVFormat, bl
         sign_dtype = torch.float32 if q.dtype == torch.float32 else torch.float16
         signs = fmt.rotation_signs(d, q.device, sign_dtype)
         rot = fmt.rotation(d, q.device)
+    idx, ok, n_sel = table, table, 0  # placeholders for whole sequences
+    if lists is not None:
+        idx, n_sel = lists.page_idx, table.shape[-1]
+        ok = lists.valid if lists.valid is not None else table
     _split_kernel[(bsz, hkv, num_splits)](
-        q, st["k"], st.get("k_scale", st["k"]), st["v"], st.get("v_scale", st["v"]), block_table, seq_lens,
-        sk.contiguous(), sv.contiguous(), slot, dst, lse, cs, signs, scale * LOG2E, q.stride(0), q.stride(1),
-        block_table.stride(0), *strides, hkv, hq // hkv, num_splits,
-        **split_constants(fmt, d, s, hq // hkv, q.dtype, sink is not None, single, num_splits, native),
+        q, st["k"], st.get("k_scale", st["k"]), st["v"], st.get("v_scale", st["v"]), table, lens, idx, ok,
+        sk.contiguous(), sv.contiguous(), slot, dst, lse, cs, signs, scale * LOG2E,
+        q.stride(0), q.stride(1), table.stride(0), *strides, hkv, hq // hkv, num_splits, n_sel,
+        **split_constants(fmt, d, s, hq // hkv, q.dtype, sink is not None, single, num_splits, native,
+                          selected=lists is not None, sel_valid=lists is not None and lists.valid is not None),
         num_warps=NUM_WARPS, num_stages=NUM_STAGES)
     rotate_out = native is not None and native.rotate_out
     if not single:
@@ -690,7 +769,7 @@ if HAVE_TRITON:
         bt_row = bt_ptr + b * stride_bt
         t_lo = 0
         if HAS_SINK:
-            slot = tl.load(slot_ptr + tl.load(bt_row))
+            slot = tl.load(slot_ptr + tl.load(bt_ptr + b * stride_bt))
             t_lo = tl.where(slot >= 0, 1, 0)
             m_i, l_i, acc = _sink_start(q, sk_ptr, sv_ptr, (tl.maximum(slot, 0) * Hkv + h) * D, slot >= 0, qk_scale,
                                         m_i, l_i, acc, D)

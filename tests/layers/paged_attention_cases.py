@@ -174,3 +174,141 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+
+
+# ---------------------------------------------------------------------------------------------
+# Per-(row, kv head) page lists: kvtier/kernels/retrieval_attention.py paged_decode_selected
+# (tests/layers/test_retrieval_kernel_interp.py, tests/gpu/test_retrieval_kernel.py).
+# ---------------------------------------------------------------------------------------------
+
+@dataclass
+class Selection:
+    """Per-(row, kv head) lists over a Case's sequences, as RetrievalAttention.select gives them."""
+
+    page_ids: torch.Tensor  # [B, Hkv, n_sel] int64 pool page ids
+    page_idx: torch.Tensor  # [B, Hkv, n_sel] int64 page index within the sequence (>= 0)
+    valid: torch.Tensor  # [B, Hkv, n_sel] bool
+
+
+def make_selection(case: Case, n_sel: int, seed: int) -> Selection:
+    """Random lists over each sequence's pages: per kv head a different subset in shuffled order,
+    always the last (partial) page, page 0 (the sink's) in about half the lists, and
+    invalid entries that name real pages of the sequence (read them and the result changes):
+    page 0 in the lists that did not choose it (its sink row must not count either)."""
+    g = torch.Generator().manual_seed(seed)
+    bsz, hkv = case.q.shape[0], case.st["k"].shape[1]
+    s = case.st["k"].shape[2]
+    idx = torch.zeros(bsz, hkv, n_sel, dtype=torch.long)
+    valid = torch.zeros(bsz, hkv, n_sel, dtype=torch.bool)
+    for b, n in enumerate(case.seq_lens.tolist()):
+        n_pages = math.ceil(n / s)
+        for h in range(hkv):
+            order = torch.randperm(n_pages, generator=g).tolist()
+            if n_pages:
+                order.remove(n_pages - 1)
+                order.insert(0, n_pages - 1)
+            if n_pages > 1:  # page 0 second (chosen) or last (chosen only if the list takes every page)
+                order.remove(0)
+                order.insert(1 if (b + h + seed) % 2 == 0 else len(order), 0)
+            take = min(len(order), max(1, n_sel - 2)) if n_pages else 0  # >= 2 invalid when room
+            filler = order[-1] if 0 in order[:take] else 0  # invalid entries: real pages, page 0 if unchosen
+            chosen = order[:take] + [filler] * (n_sel - take)
+            perm = torch.randperm(n_sel, generator=g)
+            idx[b, h] = torch.tensor(chosen)[perm]
+            valid[b, h] = (torch.arange(n_sel) < take)[perm]
+    table = case.block_table.long().cpu()
+    ids = table.gather(1, idx.view(bsz, -1).clamp_max(table.shape[1] - 1)).view(bsz, hkv, n_sel)
+    dev = case.q.device
+    return Selection(ids.to(dev), idx.to(dev), valid.to(dev))
+
+
+def check_selected(ra: ModuleType, case: Case, sel: Selection, num_splits: int, use_sink: bool,
+                   idx_only: bool = False) -> None:
+    """paged_decode_selected == its reference; idx_only: invalid entries as page_idx -1, valid None.
+    With sinks, the sink rows must change the result (else the test is vacuous)."""
+    sink = case.sink if use_sink else None
+    fmt = case.pool.fmt
+    idx, valid = sel.page_idx, sel.valid
+    if idx_only:
+        idx, valid = torch.where(sel.valid, sel.page_idx, -1), None
+    args = (case.q, case.st, fmt, sel.page_ids, idx, valid, case.seq_lens, case.scale)
+    got = ra.paged_decode_selected(*args, num_splits, sink=sink)
+    want = ra.paged_decode_selected_reference(*args, sink=sink)
+    tag = f"{case.fmt_name} selected splits={num_splits} sink={use_sink} idx_only={idx_only}"
+    assert got.shape == case.q.shape and got.dtype == case.q.dtype, tag
+    tol = TOLERANCE[case.q.dtype]
+    err = (got.float() - want.float()).abs().max().item()
+    assert torch.allclose(got.float(), want.float(), rtol=tol, atol=tol), f"{tag}: max |kernel - ref| = {err:.3g}"
+    rel = ((got.float() - want.float()).norm() / want.float().norm()).item()
+    assert rel < REL_TOLERANCE[case.q.dtype], f"{tag}: relative error {rel:.3g}"
+    assert not got[case.seq_lens == 0].any(), f"{tag}: a ctx-0 row is not zero"
+    everything = ra.paged_decode_selected_reference(case.q, case.st, fmt, sel.page_ids, sel.page_idx,
+                                                    torch.ones_like(sel.valid), case.seq_lens, case.scale, sink=sink)
+    assert not torch.allclose(everything, want, rtol=tol, atol=tol), f"{tag}: invalid entries change nothing"
+    if use_sink:
+        plain = ra.paged_decode_selected_reference(*args)
+        assert not torch.allclose(plain, want, rtol=tol, atol=tol), f"{tag}: the sink rows changed nothing"
+
+
+def check_selected_native_fold(ra: ModuleType, case: Case, sel: Selection, num_splits: int) -> None:
+    """paged_decode_selected(raw q, native=...) == native_out(reference(native_q(q)))."""
+    from kvtier.kernels.paged_attention import NativeDomain
+    pool, fmt = case.pool, case.pool.fmt
+    native = NativeDomain(pool.k_channel_scale[0], fmt.rotate_k, fmt.rotate_v)
+    rest = (sel.page_ids, sel.page_idx, sel.valid, case.seq_lens, case.scale)
+    got = ra.paged_decode_selected(case.q, case.st, fmt, *rest, num_splits, sink=case.sink, native=native)
+    want = pool.native_out(ra.paged_decode_selected_reference(pool.native_q(0, case.q), case.st, fmt, *rest,
+                                                              sink=case.sink))
+    tol = TOLERANCE[case.q.dtype]
+    err = (got.float() - want.float()).abs().max().item()
+    assert torch.allclose(got.float(), want.float(), rtol=tol, atol=tol), \
+        f"{case.fmt_name} selected folded splits={num_splits}: max |kernel - reference| = {err:.3g}"
+
+
+@dataclass
+class RetrievalStep:
+    """One decode step of RetrievalAttention and what its selecting rows attended to."""
+
+    pool: PagePool
+    q: torch.Tensor  # [R, Hq, D] raw queries of the selecting rows
+    out: torch.Tensor  # [R, Hq, D] RetrievalAttention.forward's output for them
+    sel: Selection  # the lists it chose (last_selection), page ids from the rows' page tables
+    ctx: torch.Tensor  # [R] int64 context lengths
+    scale: float
+
+
+def retrieval_step(name: str, kv_heads: int, gqa: int, page_size: int, head_dim: int, ctx_lens: list[int],
+                   budget: int, dtype: torch.dtype, device: str, seed: int) -> RetrievalStep:
+    """Sequences of ctx_lens on shuffled pages, history written as one prefill each (sink rows and
+    summaries as the engine writes them), then one decode row each through RetrievalAttention
+    (quest, sink 1 token, window 1 page): every row with ctx > budget selects."""
+    from kvtier.config import RetrievalConfig
+    from kvtier.layers.attention import AttentionMetadata
+    from kvtier.layers.retrieval import RetrievalAttention
+    g = torch.Generator().manual_seed(seed)
+    need = [math.ceil(n / page_size) for n in ctx_lens]
+    num_pages = sum(need) + SPARE_PAGES
+    pool = PagePool(make_format(name), 1, num_pages, kv_heads, page_size, head_dim, device, compute_dtype=dtype)
+    scale = head_dim ** -0.5
+    att = RetrievalAttention(pool, scale, RetrievalConfig(budget=budget, sink=1, window=page_size), record=True)
+    free = torch.randperm(num_pages, generator=g).tolist()
+    tables = [[free.pop() for _ in range(n)] for n in need]
+    hq = kv_heads * gqa
+    ks = [(torch.randn(n, kv_heads, head_dim, generator=g) * 2 + 0.5).to(device, dtype) for n in ctx_lens]
+    vs = [torch.randn(n, kv_heads, head_dim, generator=g).to(device, dtype) for n in ctx_lens]
+    slots = [torch.tensor([pt[p // page_size] * page_size + p % page_size for p in range(n)], device=device)
+             for pt, n in zip(tables, ctx_lens)]
+    for b, n in enumerate(ctx_lens):  # the history: one prefill chunk of n - 1 rows
+        meta = AttentionMetadata([0, n - 1], [n - 1], [tables[b]], slots[b][:-1], torch.tensor([n - 2]))
+        att.plan(meta)
+        att.forward(0, torch.zeros(n - 1, hq, head_dim, dtype=dtype, device=device), ks[b][:-1], vs[b][:-1], meta)
+    bsz = len(ctx_lens)
+    meta = AttentionMetadata(list(range(bsz + 1)), list(ctx_lens), tables, torch.stack([s[-1] for s in slots]),
+                             torch.arange(bsz))
+    q = torch.randn(bsz, hq, head_dim, generator=g).to(device, dtype)
+    att.plan(meta)
+    out = att.forward(0, q, torch.stack([k[-1] for k in ks]), torch.stack([v[-1] for v in vs]), meta)
+    chosen = meta.step_cache[id(att)].sel  # the step's selection tables (rows, ctx, page tables)
+    idx, valid = att.last_selection[0]  # [R, Hkv, n_sel]
+    ids = chosen.table.gather(1, idx.flatten(1)).view_as(idx)
+    return RetrievalStep(pool, q[chosen.rows], out[chosen.rows], Selection(ids, idx, valid), chosen.ctx, scale)

@@ -1,0 +1,232 @@
+"""Retrieval decode attention: each (row, kv head) attends to its own list of pages, read in place.
+
+RetrievalAttention.select (kvtier/layers/retrieval.py) gives, per decode row r and kv head h, a
+list of n_sel entries: pool page id, page index within the sequence, valid. This is paged_decode
+(kvtier/kernels/paged_attention.py) with that list in place of the sequence's block-table row:
+the same split kernel in its SELECTED mode (a constexpr; the whole-sequence code is unchanged),
+so every KV format, the sink rows, the stored (native) domain and its folding, the split-K merge
+and CUDA-graph capture work as there. Each K/V byte of a selected page is read once, by the kv
+head that chose it (the PyTorch path reads every selected page for every kv head).
+
+    entries of (r, h):  | split 0        | split 1        | ... | split n-1      |
+                        0                pps              2*pps                  n_sel
+    pps = cdiv(n_sel, num_splits); entry j: page ids[r, h, j] at page index idx[r, h, j]:
+
+    keys of entry j:  idx*S  idx*S+1  ...  idx*S+S-1     live iff valid and position < ctx[r]
+                      (idx == 0 with a sink slot: key 0 is the slot's exact row; the split
+                      holding that entry scans its entries' page indices for it first)
+
+Entries of one (r, h) must name distinct pages (select's lists do); their order is free.
+`paged_decode_selected_reference` is the same computation in PyTorch (the format's codecs).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvtier.kernels.paged_attention import (HAVE_TRITON, NativeDomain, PageLists, Sink, _check_pages,
+                                            choose_num_splits, launch_decode)
+from kvtier.kv.formats import KVFormat
+
+
+def selected_num_splits(rows: int, kv_heads: int, n_sel: int, page_size: int, num_sms: int) -> int:
+    """Splits per (row, kv head) for paged_decode_selected: choose_num_splits over the n_sel * S
+    keys a list holds (shapes only: capturable; n_sel is fixed by the budget)."""
+    return choose_num_splits(rows, kv_heads, n_sel * page_size, page_size, num_sms)
+
+
+def _check_lists(q: torch.Tensor, st: dict[str, torch.Tensor], fmt: KVFormat, page_ids: torch.Tensor,
+                 page_idx: torch.Tensor, valid: torch.Tensor | None, ctx: torch.Tensor, num_splits: int) -> None:
+    who = "paged_decode_selected"
+    _check_pages(who, q, st, fmt)
+    want = (q.shape[0], st["k"].shape[1])
+    if page_ids.dim() != 3 or tuple(page_ids.shape[:2]) != want:
+        raise ValueError(f"{who}: page_ids must be [R, Hkv, n_sel] = [{want[0]}, {want[1]}, n], "
+                         f"got {tuple(page_ids.shape)}")
+    if page_idx.shape != page_ids.shape or (valid is not None and valid.shape != page_ids.shape):
+        raise ValueError(f"{who}: page_idx {tuple(page_idx.shape)} / valid "
+                         f"{None if valid is None else tuple(valid.shape)} differ from page_ids "
+                         f"{tuple(page_ids.shape)}")
+    if ctx.shape != (q.shape[0],):
+        raise ValueError(f"{who}: ctx {tuple(ctx.shape)} does not match {q.shape[0]} rows")
+    for name, t in (("page_ids", page_ids), ("page_idx", page_idx), ("ctx", ctx)):
+        if t.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"{who}: {name} must be int32 or int64, got {t.dtype}")
+    if valid is not None and valid.dtype not in (torch.bool, torch.uint8):
+        raise ValueError(f"{who}: valid must be bool or uint8, got {valid.dtype}")
+    if num_splits < 1:
+        raise ValueError(f"{who}: num_splits must be >= 1, got {num_splits}")
+
+
+def paged_decode_selected(q: torch.Tensor, st: dict[str, torch.Tensor], fmt: KVFormat, page_ids: torch.Tensor,
+                          page_idx: torch.Tensor, valid: torch.Tensor | None, ctx: torch.Tensor, scale: float,
+                          num_splits: int, sink: Sink | None = None, out: torch.Tensor | None = None,
+                          native: NativeDomain | None = None) -> torch.Tensor:
+    """One decode row per sequence over per-kv-head page lists, read in place.
+
+    q: [R, Hq, D] (bf16 / fp16 / fp32) in the stored domain (PagePool.native_q), or raw with
+    `native` (folded as in paged_decode);
+    st: one pool layer (`pool.layers[layer]`), [num_pages, Hkv, S, ...];
+    page_ids: [R, Hkv, n_sel] int32/int64 pool page ids (entries that read nothing: any value);
+    page_idx: [R, Hkv, n_sel] int32/int64 page index within the sequence (< 0: no entry);
+    valid: [R, Hkv, n_sel] bool/uint8 (False: no entry), or None;
+    ctx: [R] int32/int64 context length (keys 0 .. ctx-1 exist; the last page is partial);
+    sink: (sink_k, sink_v, sink_slot) of the pool's layer: key 0 of a page-index-0 entry whose
+    page has a slot comes from the slot; num_splits: `selected_num_splits`;
+    out: optional [R, Hq, D] destination (last dim contiguous).
+    -> [R, Hq, D] in q.dtype, in the stored domain (PagePool.native_out maps it back); a row
+    (kv head) with no live key gives zeros.
+
+    No host synchronisation and no data-dependent shapes: capturable in a CUDA graph.
+    """
+    if not HAVE_TRITON:
+        raise RuntimeError("paged_decode_selected needs Triton; use paged_decode_selected_reference on CPU")
+    _check_lists(q, st, fmt, page_ids, page_idx, valid, ctx, num_splits)
+    ok = None
+    if valid is not None:
+        ok = valid.contiguous()
+        ok = ok.view(torch.uint8) if ok.dtype == torch.bool else ok
+    lists = PageLists(page_idx.contiguous(), ok)
+    return launch_decode(q, st, fmt, page_ids.contiguous(), ctx, scale, num_splits, sink, out, native, lists)
+
+
+def _entry_rows(st: dict[str, torch.Tensor], fmt: KVFormat, ids: torch.Tensor, head_dim: int,
+                dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """ids: [R, Hkv, n] page ids -> k, v: [R, Hkv, n, S, D] in dtype, entry (r, h, j) reading
+    only kv head h of its page (decoded by the reference codecs)."""
+    heads = torch.arange(ids.shape[1], device=ids.device)[None, :, None].expand_as(ids)
+    return tuple(c.decode({suffix: st[kv + suffix][ids, heads] for suffix in c.parts(head_dim)}, dtype)
+                 for kv, c in (("k", fmt.k_codec), ("v", fmt.v_codec)))
+
+
+def paged_decode_selected_reference(q: torch.Tensor, st: dict[str, torch.Tensor], fmt: KVFormat,
+                                    page_ids: torch.Tensor, page_idx: torch.Tensor, valid: torch.Tensor | None,
+                                    ctx: torch.Tensor, scale: float, sink: Sink | None = None) -> torch.Tensor:
+    """paged_decode_selected in plain PyTorch (same arguments; any device; no host sync).
+
+    Each entry's page decoded to q.dtype for its own kv head (as PagePool.read(native=True)),
+    key 0 of page-index-0 entries from the sink slot, then an fp32 softmax over the live keys:
+    q: [R, Hq, D] -> [R, Hq, D] in q.dtype (zeros where a kv head has no live key).
+    """
+    r, hq, d = q.shape
+    hkv, s = st["k"].shape[1], st["k"].shape[2]
+    ok = page_idx >= 0
+    if valid is not None:
+        ok = ok & valid.bool()
+    ids = torch.where(ok, page_ids.long(), 0)
+    k, v = _entry_rows(st, fmt, ids, d, q.dtype)  # [R, Hkv, n, S, D]
+    if sink is not None:
+        slot = sink[2][ids]  # [R, Hkv, n]
+        first = ok & (page_idx == 0) & (slot >= 0)
+        heads = torch.arange(hkv, device=q.device)[None, :, None].expand_as(ids)
+        for rows, exact in ((k, sink[0]), (v, sink[1])):
+            rows[..., 0, :] = torch.where(first[..., None], exact[slot.clamp_min(0), heads].to(q.dtype),
+                                          rows[..., 0, :])
+    pos = page_idx.long()[..., None] * s + torch.arange(s, device=q.device)  # [R, Hkv, n, S]
+    live = (ok[..., None] & (pos < ctx.long()[:, None, None, None])).flatten(2)  # [R, Hkv, n * S]
+    qg = q.float().view(r, hkv, hq // hkv, d)  # query head h reads kv head h // (Hq / Hkv)
+    sc = qg @ k.float().flatten(2, 3).transpose(-1, -2) * scale  # [R, Hkv, G, n * S]
+    p = sc.masked_fill(~live[:, :, None, :], float("-inf")).softmax(-1).nan_to_num(0.0)  # no key: 0
+    return (p @ v.float().flatten(2, 3)).reshape(r, hq, d).to(q.dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# Quest scores of the candidate pages: one pass over their summaries, nothing gathered first.
+#
+# The PyTorch scorer (layers/retrieval.py page_scores) gathers kmin / kmax of every candidate
+# into [R, C, Hkv, D] copies (and both tiers' when a host tier exists) before its einsums: about
+# three times the summary bytes, which at fp32 are 1/8 of the candidates' bf16 K/V (16-token
+# pages) and so outweigh the selected pages' reads at small budgets. Grid (R, Hkv, cdiv(C,
+# BLOCK_C)): each program reads its kv head's [D] min / max rows of BLOCK_C candidates once.
+# ---------------------------------------------------------------------------------------------
+
+# Summary values per [BLOCK_C, D] tile (BLOCK_C = this // D candidates a program): compiled for
+# sm_90 offline, 4 warps: 123 registers (165 with a host tier) at D = 128, no spills; 8192 spilled
+# at D = 256 with a host tier.
+SCORE_TILE = 4096
+
+if HAVE_TRITON:
+    import triton
+    import triton.language as tl
+
+    @triton.jit(do_not_specialize=["Hkv", "G", "C"])
+    def _quest_kernel(q_ptr, ids_ptr, kmin_ptr, kmax_ptr, cnt_ptr, hmin_ptr, hmax_ptr, hcnt_ptr, out_ptr,
+                      Hkv, G, C, D: tl.constexpr, BLOCK_C: tl.constexpr, REDUCE_MAX: tl.constexpr,
+                      HAS_HOST: tl.constexpr):
+        """One (row r, kv head h, BLOCK_C candidates): bound of each of the G query heads of h,
+        summed (quest) or maxed (quest-max) over them; pages with no rows score +inf."""
+        r = tl.program_id(0)
+        h = tl.program_id(1)
+        c = tl.program_id(2) * BLOCK_C + tl.arange(0, BLOCK_C)
+        d = tl.arange(0, D)
+        cm = c < C
+        ids = tl.load(ids_ptr + r.to(tl.int64) * C + c, mask=cm, other=0).to(tl.int64)
+        dev = cm & (ids >= 0)  # negative ids: host_ref(p) = -1 - p, in the host tier's summaries
+        rows = (ids * Hkv + h)[:, None] * D + d[None, :]
+        kmin = tl.load(kmin_ptr + rows, mask=dev[:, None], other=0.0)  # [BLOCK_C, D]
+        kmax = tl.load(kmax_ptr + rows, mask=dev[:, None], other=0.0)
+        cnt = tl.load(cnt_ptr + ids, mask=dev, other=0)
+        if HAS_HOST:
+            hid = -1 - ids
+            hm = cm & (ids < 0)
+            hrows = (hid * Hkv + h)[:, None] * D + d[None, :]
+            kmin = tl.where(hm[:, None], tl.load(hmin_ptr + hrows, mask=hm[:, None], other=0.0), kmin)
+            kmax = tl.where(hm[:, None], tl.load(hmax_ptr + hrows, mask=hm[:, None], other=0.0), kmax)
+            cnt = tl.where(hm, tl.load(hcnt_ptr + hid, mask=hm, other=0), cnt)
+        acc = tl.full([BLOCK_C], float("-inf") if REDUCE_MAX else 0.0, tl.float32)
+        q_row = q_ptr + (r * Hkv + h).to(tl.int64) * G * D
+        for g in range(0, G):
+            qv = tl.load(q_row + g * D + d)[None, :]  # [1, D] fp32
+            bound = tl.sum(tl.maximum(qv * kmin, qv * kmax), axis=1)  # sum_d max(q_d min_d, q_d max_d)
+            if REDUCE_MAX:
+                acc = tl.maximum(acc, bound)
+            else:
+                acc = acc + bound
+        acc = tl.where(cnt == 0, float("inf"), acc)
+        tl.store(out_ptr + (r * Hkv + h).to(tl.int64) * C + c, acc, mask=cm)
+
+
+# (kmin [P, Hkv, D] fp32, kmax [P, Hkv, D] fp32, count [P] int32) of one layer of one tier
+SummaryRows = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+def quest_scores(qg: torch.Tensor, dev: SummaryRows, cand_ids: torch.Tensor, reduce_max: bool = False,
+                 host: SummaryRows | None = None) -> torch.Tensor:
+    """Quest bounds of candidate pages, fused (layers/retrieval.py page_scores' quest / quest-max).
+
+    qg: [R, Hkv, G, D] fp32 raw queries; dev / host: one layer's summaries (kv/summaries.py) of
+    the compute pool / host tier; cand_ids: [R, C] page ids (negative: host_ref, needs `host`);
+    reduce_max: max over the G query heads (quest-max) instead of the sum (quest).
+    -> [R, Hkv, C] fp32; +inf for pages with no rows (chosen first). No host synchronisation.
+    """
+    if not HAVE_TRITON:
+        raise RuntimeError("quest_scores needs Triton; use quest_scores_reference on CPU")
+    r, hkv, g, d = qg.shape
+    if d & (d - 1) or cand_ids.dim() != 2 or cand_ids.shape[0] != r or dev[0].shape[1:] != (hkv, d):
+        raise ValueError(f"quest_scores: qg {tuple(qg.shape)} / cand_ids {tuple(cand_ids.shape)} / summaries "
+                         f"{tuple(dev[0].shape)} do not fit (head_dim a power of two)")
+    c = cand_ids.shape[1]
+    out = torch.empty((r, hkv, c), dtype=torch.float32, device=qg.device)
+    if r == 0 or c == 0:
+        return out
+    hmin, hmax, hcnt = host if host is not None else dev  # unused placeholders without a host tier
+    _quest_kernel[(r, hkv, triton.cdiv(c, max(1, SCORE_TILE // d)))](
+        qg.float().contiguous(), cand_ids.contiguous(), dev[0], dev[1], dev[2], hmin, hmax, hcnt, out, hkv, g, c,
+        D=d, BLOCK_C=max(1, SCORE_TILE // d), REDUCE_MAX=reduce_max, HAS_HOST=host is not None, num_warps=4)
+    return out
+
+
+def quest_scores_reference(qg: torch.Tensor, dev: SummaryRows, cand_ids: torch.Tensor, reduce_max: bool = False,
+                           host: SummaryRows | None = None) -> torch.Tensor:
+    """quest_scores in PyTorch (same arguments), the bound written as in the kernel."""
+    def rows(i: int) -> torch.Tensor:
+        got = dev[i][cand_ids.clamp_min(0)]
+        if host is None:
+            return got
+        other = host[i][(-1 - cand_ids).clamp_min(0)]
+        return torch.where((cand_ids < 0).view(*cand_ids.shape, *([1] * (got.dim() - 2))), other, got)
+    kmin, kmax, cnt = rows(0), rows(1), rows(2)  # [R, C, Hkv, D] x 2, [R, C]
+    q = qg.float()[:, :, :, None, :]  # [R, Hkv, G, 1, D]
+    bound = torch.maximum(q * kmin.permute(0, 2, 1, 3)[:, :, None], q * kmax.permute(0, 2, 1, 3)[:, :, None]).sum(-1)
+    s = bound.amax(2) if reduce_max else bound.sum(2)  # [R, Hkv, C]
+    return s.masked_fill((cnt == 0)[:, None, :], float("inf"))

@@ -1,0 +1,147 @@
+"""Retrieval decode kernel (kvtier/kernels/retrieval_attention.py) vs its PyTorch reference.
+
+- under TRITON_INTERPRET=1 (CPU, tiny sizes; this file run as a script in a fresh process,
+  tests/interp.py): every KV format, GQA 1 and 4, head_dim 64 and 128, odd context lengths,
+  partial last pages, a ctx-0 row, per-kv-head lists in shuffled order with invalid entries
+  (marked by `valid`, or by page_idx -1 with valid None), page 0 with and without a sink row,
+  1 and 3 splits; the folded native domain for the rotating formats; quest_scores (fused Quest
+  bounds, sum and max over the group, candidates in both tiers) vs its reference;
+- on CPU, no Triton: the reference == RetrievalAttention's output over a real pool and its own
+  selection (so kernel == reference == the backend's PyTorch path); quest_scores_reference ==
+  layers/retrieval.py page_scores.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+if __package__ in (None, ""):  # run as a script by tests/interp.py
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from tests.layers import paged_attention_cases as cases  # noqa: E402
+
+# (format, gqa, page_size, head_dim, ctx lens, with_sink, quantized-format compute dtype, n_sel)
+LENS = [23, 0, 9]  # odd lengths, partial last pages, a ctx-0 row
+SINKS = [True, False, True]
+SEL_CASES = [(name, gqa, 4, 64 if (i + gqa) % 2 else 128, LENS, SINKS,
+              torch.float16 if i % 2 else torch.float32, 5)
+             for i, name in enumerate(cases.FORMAT_NAMES) for gqa in (1, 4)]
+SEL_CASES += [("k8v4", 2, 2, 64, [45, 5], [True, True], torch.float16, 12)]  # several tiles per split
+# (num_splits, with sinks, invalid entries as page_idx -1 instead of `valid`)
+SEL_RUNS = ((1, True, False), (3, True, True), (1, False, True))
+FOLD_FORMATS = ("int8", "k8v4")  # rotating, smoothed formats, folded (NativeDomain)
+
+
+def main() -> None:
+    """Every interpreter case (TRITON_INTERPRET=1 must be set before triton is imported)."""
+    import kvtier.kernels.retrieval_attention as ra
+    failures = []
+    for i, (name, gqa, ps, hd, lens, sinks, qdt, n_sel) in enumerate(SEL_CASES):
+        kv_heads = 1 if gqa == 4 else 2  # 4 query heads at most: the interpreter runs programs one by one
+        case = cases.make_case(name, kv_heads, gqa, ps, hd, lens, sinks, cases.interp_dtype(name, qdt), "cpu",
+                               seed=200 + i)
+        sel = cases.make_selection(case, n_sel, seed=300 + i)
+        for splits, use_sink, idx_only in SEL_RUNS:
+            try:
+                cases.check_selected(ra, case, sel, splits, use_sink, idx_only)
+            except AssertionError as e:
+                failures.append(f"{name} gqa={gqa} D={hd}: {e}")
+    for i, name in enumerate(FOLD_FORMATS):
+        case = cases.make_case(name, 2, 2, 4, 64, [21, 6], [True, False], torch.float32, "cpu", seed=400 + i)
+        sel = cases.make_selection(case, 6, seed=500 + i)
+        for splits in (1, 3):
+            try:
+                cases.check_selected_native_fold(ra, case, sel, splits)
+            except AssertionError as e:
+                failures.append(f"{name} folded: {e}")
+    for i, (hkv, g, d, with_host) in enumerate(SCORE_CASES):
+        try:
+            check_quest_scores(ra, hkv, g, d, with_host, seed=600 + i)
+        except AssertionError as e:
+            failures.append(f"quest_scores Hkv={hkv} G={g} D={d} host={with_host}: {e}")
+    print("\n".join(failures) if failures else "ALL OK")
+
+
+# quest_scores: (kv heads, query heads per kv head, head_dim, with a host tier)
+SCORE_CASES = [(2, 1, 64, False), (1, 4, 128, True), (2, 3, 32, True)]
+
+
+def _summaries(g: torch.Generator, pages: int, hkv: int, d: int) -> tuple[torch.Tensor, ...]:
+    """(kmin, kmax, count) of random pages, a few of them empty (+-inf rows, count 0)."""
+    a, b = torch.randn(2, pages, hkv, d, generator=g) * 2
+    kmin, kmax = torch.minimum(a, b), torch.maximum(a, b)
+    count = torch.randint(1, 17, (pages,), generator=g, dtype=torch.int32)
+    empty = torch.randperm(pages, generator=g)[:2]
+    kmin[empty], kmax[empty], count[empty] = float("inf"), float("-inf"), 0
+    return kmin, kmax, count
+
+
+def check_quest_scores(ra, hkv: int, g: int, d: int, with_host: bool, seed: int) -> None:
+    """quest_scores == its reference (sum and max over the group), candidates in both tiers."""
+    gen = torch.Generator().manual_seed(seed)
+    dev = _summaries(gen, 20, hkv, d)
+    host = _summaries(gen, 9, hkv, d) if with_host else None
+    ids = torch.randint(0, 20, (3, 37), generator=gen)  # 37: a partial last block of candidates
+    if with_host:
+        ids = torch.where(torch.rand(3, 37, generator=gen) < 0.4, -1 - torch.randint(0, 9, (3, 37), generator=gen), ids)
+    qg = torch.randn(3, hkv, g, d, generator=gen)
+    for reduce_max in (False, True):
+        got = ra.quest_scores(qg, dev, ids, reduce_max, host)
+        want = ra.quest_scores_reference(qg, dev, ids, reduce_max, host)
+        assert torch.equal(got.isinf(), want.isinf()), f"max={reduce_max}: +inf (empty pages) differ"
+        assert bool(got.isinf().any()), "no empty page among the candidates: vacuous"
+        fin = ~want.isinf()
+        assert torch.allclose(got[fin], want[fin], rtol=1e-5, atol=1e-4), \
+            f"max={reduce_max}: max |kernel - ref| = {(got[fin] - want[fin]).abs().max():.3g}"
+
+
+@pytest.mark.parametrize("selector", ["quest", "quest-max"])
+def test_quest_reference_matches_page_scores(selector: str) -> None:
+    """quest_scores_reference == layers/retrieval.py page_scores on real summaries (CPU)."""
+    from kvtier.kernels.retrieval_attention import quest_scores_reference
+    from kvtier.kv.summaries import PageSummaries
+    from kvtier.layers.retrieval import page_scores
+    gen = torch.Generator().manual_seed(9)
+    hkv, g, d, ps, pages = 2, 4, 32, 4, 12
+    summ = PageSummaries(1, pages, hkv, d, ps, "cpu")
+    summ.update(0, torch.arange((pages - 2) * ps), torch.randn((pages - 2) * ps, hkv, d, generator=gen) * 2)
+    ids = torch.randint(0, pages, (3, 9), generator=gen)  # pages 10, 11: never written
+    qg = torch.randn(3, hkv, g, d, generator=gen)
+    want = page_scores(selector, qg, summ, 0, ids)
+    got = quest_scores_reference(qg, (summ.kmin[0], summ.kmax[0], summ.count[0]), ids, selector == "quest-max")
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
+
+
+def test_selected_kernel_matches_reference_interpreted() -> None:
+    pytest.importorskip("triton")
+    from tests.interp import run_interpreted
+    run_interpreted("tests/layers/test_retrieval_kernel_interp.py")
+
+
+@pytest.mark.parametrize("name,dtype", [("fp32", torch.float32), ("int8", torch.float32), ("k8v4", torch.float32),
+                                        ("fp16", torch.float16)])
+@pytest.mark.parametrize("gqa", [1, 4])
+def test_reference_matches_retrieval_backend(name: str, dtype: torch.dtype, gqa: int) -> None:
+    """paged_decode_selected_reference over RetrievalAttention's own selection (stored domain,
+    the pool's sink rows) == the backend's output for its selecting rows (pool.read + attend_selected)."""
+    from kvtier.kernels.retrieval_attention import paged_decode_selected_reference
+    step = cases.retrieval_step(name, 2, gqa, 4, 16, [37, 30, 9, 53], budget=20, dtype=dtype, device="cpu",
+                                seed=gqa)
+    pool, sel = step.pool, step.sel
+    assert step.q.shape[0] == 3 and bool(sel.valid.all(-1).any())  # three rows select (ctx 9 is dense)
+    sink = (pool.sink_k[0], pool.sink_v[0], pool.sink_slot) if pool.sink_slots else None
+    native = pool.rotated  # as the backend: rotating pools attend in the stored domain
+    q = pool.native_q(0, step.q) if native else step.q
+    ref = paged_decode_selected_reference(q, pool.layers[0], pool.fmt, sel.page_ids, sel.page_idx, sel.valid,
+                                          step.ctx, step.scale, sink=sink)
+    got = pool.native_out(ref) if native else ref
+    tol = cases.TOLERANCE[dtype]
+    torch.testing.assert_close(got, step.out, rtol=tol, atol=tol)
+
+
+if __name__ == "__main__":
+    main()
