@@ -51,18 +51,19 @@ class ModelRunner:
         return self.graphs.capture()
 
     def run_transfers(self, batch: Batch) -> None:
-        """Swap pages between tiers before the forward (down first: it frees GPU slots)."""
+        """Swap pages between tiers before the forward, phase by phase in the order the
+        manager queued them (kv/manager.py: a page may be swapped in and copied down again)."""
         t = batch.transfers
         if t is None or self.host_pool is None:
             return
-        if t.gpu_to_host:
-            src, dst = zip(*t.gpu_to_host)
-            self.pool.copy_to(self.host_pool, list(src), list(dst))
-            self.backend.pages_departed(list(src), list(dst))
-        if t.host_to_gpu:
-            src, dst = zip(*t.host_to_gpu)
-            self.host_pool.copy_to(self.pool, list(src), list(dst))
-            self.backend.pages_arrived(list(dst), list(src))
+        for to_host, pairs in t.phases:
+            src, dst = (list(x) for x in zip(*pairs))
+            if to_host:
+                self.pool.copy_to(self.host_pool, src, dst)
+                self.backend.pages_departed(src, dst)
+            else:
+                self.host_pool.copy_to(self.pool, src, dst)
+                self.backend.pages_arrived(dst, src)
 
     @torch.inference_mode()
     def execute(self, batch: Batch) -> torch.Tensor:

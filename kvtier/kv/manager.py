@@ -30,9 +30,13 @@ starts with host references, which attention streams through the GPU:
 `host_ref(h) = -1 - h`: negative entries name host pages, so one list of
 ints keeps naming every page of the sequence in token order.
 
-Ordering contract for the runner: run `gpu_to_host` copies first, then
-`host_to_gpu`, then the forward. A GPU page is returned to the free list as
-soon as its copy-down is queued, so it may be reused in the same step.
+Ordering contract for the runner: run `Transfers.phases` in order (each a batch of
+copies in one direction), then the forward. Copies are queued in the order the
+bookkeeping made them, and that order matters both ways: a GPU page is returned to
+the free list as soon as its copy-down is queued, so it may be the destination of a
+swap-in queued after it; and a page swapped in for a prefix hit may be offloaded
+again by the same round's `ensure` (a long sequence), so its copy-down must run
+after the swap-in that fills it.
 """
 
 from __future__ import annotations
@@ -55,13 +59,23 @@ def host_page_of(ref: int) -> int:
 
 @dataclass
 class Transfers:
-    """Page copies the runner performs (batched) before the step's forward."""
+    """Page copies the runner performs (batched) before the step's forward.
+
+    phases: (to_host, [(src, dst), ...]) batches to run in this order; host_to_gpu /
+    gpu_to_host: every copy of each direction (for counting; their relative order is
+    in `phases` only)."""
 
     host_to_gpu: list[tuple[int, int]] = field(default_factory=list)  # (host id, gpu id)
     gpu_to_host: list[tuple[int, int]] = field(default_factory=list)  # (gpu id, host id)
+    phases: list[tuple[bool, list[tuple[int, int]]]] = field(default_factory=list)
 
     def __bool__(self) -> bool:
         return bool(self.host_to_gpu or self.gpu_to_host)
+
+    def queue(self, to_host: bool, src: int, dst: int) -> None:
+        """Append one copy (phases are made from the queue by `CacheManager.take_transfers`)."""
+        (self.gpu_to_host if to_host else self.host_to_gpu).append((src, dst))
+        self.phases.append((to_host, [(src, dst)]))
 
 
 @dataclass
@@ -257,13 +271,15 @@ class CacheManager:
     def take_transfers(self) -> Transfers:
         """Queued copies since the last call; host pages pinned for them are released.
 
-        A destination written twice keeps only its last copy (the earlier one
-        was for a page since evicted), so each list has distinct destinations
-        and can be executed as one scatter.
+        Within a phase a destination written twice keeps only its last copy (the
+        earlier one was for a page since evicted; nothing in a phase reads the
+        pages it writes), so each phase has distinct destinations and can be
+        executed as one scatter.
         """
         xfer, self._xfer = self._xfer, Transfers()
-        xfer.gpu_to_host = _last_per_destination(xfer.gpu_to_host)
-        xfer.host_to_gpu = _last_per_destination(xfer.host_to_gpu)
+        xfer.phases = [(to_host, _last_per_destination(pairs)) for to_host, pairs in _phases(xfer.phases)]
+        xfer.gpu_to_host = [p for to_host, pairs in xfer.phases if to_host for p in pairs]
+        xfer.host_to_gpu = [p for to_host, pairs in xfer.phases if not to_host for p in pairs]
         for host in list(self._host_pinned):
             self._unpin_host(host)
         return xfer
@@ -435,7 +451,7 @@ class CacheManager:
                 node.host_page = host
                 self._host_node[host] = node
                 self._host_lru[host] = None
-                self._xfer.gpu_to_host.append((page, host))
+                self._xfer.queue(True, page, host)
                 self._stats["swaps_out"] += 1
         return True
 
@@ -443,7 +459,7 @@ class CacheManager:
         host = node.host_page
         assert host is not None
         self._attach_gpu(node, gpu)
-        self._xfer.host_to_gpu.append((host, gpu))
+        self._xfer.queue(False, host, gpu)
         self._stats["swaps_in"] += 1
         self._stats["hit_tokens_host"] += self.page_size
 
@@ -474,7 +490,7 @@ class CacheManager:
             host = self._alloc_host()
             if host is None:  # cannot happen after the room check; keep the invariant loud
                 raise RuntimeError("host page allocation failed after the room check")
-            self._xfer.gpu_to_host.append((page, host))
+            self._xfer.queue(True, page, host)
             self._host_held.add(host)
             seq.host_pages.append(host)
             self._decref(page)
@@ -533,6 +549,34 @@ class CacheManager:
                 else:
                     del self._host_lru[host]
                     self._host_free.append(host)
+
+
+def _phases(queue: list[tuple[bool, list[tuple[int, int]]]]) -> list[tuple[bool, list[tuple[int, int]]]]:
+    """Copies in queue order -> batches to run in order. Usually two: every copy-down, then every
+    swap-in (a copy-down only reads a GPU page and writes a host page, so running it before a
+    swap-in queued earlier is safe unless that swap-in fills its source GPU page or reads its
+    destination host page). When some copy-down depends so on an earlier swap-in, consecutive
+    copies of one direction are batched instead, keeping the queue's order."""
+    ops = [(to_host, src, dst) for to_host, pairs in queue for src, dst in pairs]
+    filled_gpu, read_host = set(), set()
+    ordered = False
+    for to_host, src, dst in ops:
+        if not to_host:
+            filled_gpu.add(dst)
+            read_host.add(src)
+        elif src in filled_gpu or dst in read_host:
+            ordered = True
+            break
+    if not ordered:
+        down = [(src, dst) for to_host, src, dst in ops if to_host]
+        up = [(src, dst) for to_host, src, dst in ops if not to_host]
+        return [(d, pairs) for d, pairs in ((True, down), (False, up)) if pairs]
+    out: list[tuple[bool, list[tuple[int, int]]]] = []
+    for to_host, src, dst in ops:
+        if not out or out[-1][0] != to_host:
+            out.append((to_host, []))
+        out[-1][1].append((src, dst))
+    return out
 
 
 def _last_per_destination(pairs: list[tuple[int, int]]) -> list[tuple[int, int]]:

@@ -63,21 +63,27 @@ def test_small_budget_mixed_steps_run_and_select():
     eng.pool.check_integrity()
 
 
+@pytest.mark.parametrize("budget", [0, 48])
 @pytest.mark.parametrize("kv_dtype", ["auto", "int8"])
-def test_host_tier_forced_retrieval_equals_one_big_pool(kv_dtype):
+def test_host_tier_forced_equals_one_big_pool(kv_dtype, budget):
     """14 compute pages (56 tokens) for prompts of up to 90 + 24 tokens: every sequence offloads its
-    oldest pages, and its decode rows select among pages of both tiers (fetching the host ones)."""
+    oldest pages; with a budget its decode rows select among pages of both tiers (fetching the host
+    ones), without one (0) they stream every host page. Run twice: the second time the prompts hit
+    the prefix cache in the host tier, and admission swaps pages in that the same round offloads
+    again (kv/manager.py's ordered transfer phases)."""
     model = tiny_model()
-    cfg = RetrievalConfig(budget=48, sink=4, window=16)
-    ref_eng = engine(model, cfg, prefill_chunk=16, max_batch=1, kv_dtype=kv_dtype)
-    ref = generate(ref_eng)
+    cfg = RetrievalConfig(budget=48, sink=4, window=16) if budget else None
+    ref = generate(engine(model, cfg, prefill_chunk=16, max_batch=1, kv_dtype=kv_dtype))
     eng = engine(model, cfg, prefill_chunk=16, max_batch=1, num_pages=14, host_kv_mib=1, kv_dtype=kv_dtype)
     assert generate(eng) == ref
     assert eng.manager.stats()["offloads"] > 0
-    st = eng.runner.backend.fetch_stats
-    assert st["misses"] > 0 and st["hits"] > 0 and st["asked"] == st["hits"] + st["misses"]
-    assert st["miss_bytes"] == st["misses"] * eng.host_pool.bytes_per_page() // SPEC.num_layers
-    assert eng.runner.backend.retrieved_rows > 0
+    assert generate(eng) == ref
+    assert eng.manager.stats()["hit_tokens_host"] > 0
+    if budget:
+        st = eng.runner.backend.fetch_stats
+        assert st["misses"] > 0 and st["hits"] > 0 and st["asked"] == st["hits"] + st["misses"]
+        assert st["miss_bytes"] == st["misses"] * eng.host_pool.bytes_per_page() // SPEC.num_layers
+        assert eng.runner.backend.retrieved_rows > 0
     eng.manager.check_integrity()
     eng.pool.check_integrity()
     eng.host_pool.check_integrity()

@@ -182,10 +182,8 @@ def test_host_tier_with_real_pools_matches_gpu_only() -> None:
     m = CacheManager(3, ps, num_host_pages=6)
 
     def run(xfer) -> None:
-        if xfer.gpu_to_host:
-            gpu.copy_to(host, *zip(*xfer.gpu_to_host))
-        if xfer.host_to_gpu:
-            host.copy_to(gpu, *zip(*xfer.host_to_gpu))
+        for to_host, pairs in xfer.phases:  # the runner's order (engine/runner.py)
+            (gpu.copy_to(host, *zip(*pairs)) if to_host else host.copy_to(gpu, *zip(*pairs)))
 
     def compute(sid: str, tokens: list[int], seed: int) -> dict[int, torch.Tensor]:
         cached = m.add_sequence(sid, tokens)

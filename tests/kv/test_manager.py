@@ -202,20 +202,60 @@ def test_copy_down_and_swap_in_share_a_page_in_one_step() -> None:
     assert m.add_sequence("c", conv_a + [1]) == 8  # needs 2 GPU pages: evicts b's, reuses them
     x = m.take_transfers()
     assert {g for g, _ in x.gpu_to_host} & {g for _, g in x.host_to_gpu}
-    for g, h in x.gpu_to_host:  # documented order
-        host[h] = gpu[g]
-    for h, g in x.host_to_gpu:
-        gpu[g] = host[h]
+    assert [to_host for to_host, _ in x.phases] == [True, False]  # down first, then up
+    apply_phases(x, gpu, host)
     assert [gpu[p] for p in m.page_table("c")] == [tuple(conv_a[:4]), tuple(conv_a[:8])]
     m.free("c")
     assert m.add_sequence("d", conv_b + [1]) == 12  # b's pages: back from host, intact
-    x = m.take_transfers()
-    for g, h in x.gpu_to_host:
-        host[h] = gpu[g]
-    for h, g in x.host_to_gpu:
-        gpu[g] = host[h]
+    apply_phases(m.take_transfers(), gpu, host)
     assert [gpu[p] for p in m.page_table("d")] == [tuple(conv_b[:4 * (i + 1)]) for i in range(3)]
     m.check_integrity()
+
+
+def apply_phases(x: Transfers, gpu: dict, host: dict) -> None:
+    """What the runner does with a Transfers, on fake pools (page -> contents)."""
+    for to_host, pairs in x.phases:
+        for src, dst in pairs:
+            if to_host:
+                host[dst] = gpu[src]
+            else:
+                gpu[dst] = host[src]
+
+
+def test_swap_in_then_offload_in_one_step() -> None:
+    """Admission swaps a prefix hit in, and the same round's ensure() offloads those pages again
+    (a sequence longer than the GPU pool): the copy-down must run after the swap-in that fills the
+    page, or the host copy holds the page's previous contents."""
+    m = CacheManager(num_gpu_pages=3, page_size=PS, num_host_pages=16)
+    gpu: dict = {}
+    host: dict = {}
+
+    def compute(sid: str, tokens: list[int]) -> None:
+        m.add_sequence(sid, tokens)
+        assert m.ensure(sid, len(tokens))
+        apply_phases(m.take_transfers(), gpu, host)
+        for i, ref in enumerate(m.page_table(sid)):
+            if ref >= 0:
+                gpu[ref] = tuple(tokens[:min(PS * (i + 1), len(tokens))])
+        m.commit(sid, tokens)
+        m.free(sid)
+
+    conv = list(range(20))
+    compute("a", conv[:9])  # 2 full pages indexed
+    compute("b", [7] * 12)  # a's pages go down to the host tier
+    assert m.add_sequence("c", conv) == 8  # hit: 2 pages to swap in
+    assert m.ensure("c", len(conv))  # 5 pages on a 3-page GPU: offloads, the hit pages first
+    x = m.take_transfers()
+    assert {g for _, g in x.host_to_gpu} & {g for g, _ in x.gpu_to_host}  # up and down in one round
+    apply_phases(x, gpu, host)
+    table = m.page_table("c")
+    for i in range(2):
+        assert m_held(table[i], gpu, host) == tuple(conv[:PS * (i + 1)])
+    m.check_integrity()
+
+
+def m_held(ref: int, gpu: dict, host: dict):
+    return gpu.get(ref) if ref >= 0 else host.get(host_page_of(ref))
 
 
 def test_swap_in_chain_is_pinned_against_host_eviction() -> None:
@@ -290,8 +330,8 @@ class ManagerMachine(RuleBasedStateMachine):
         return self.gpu.get(ref) if ref >= 0 else self.host.get(host_page_of(ref))
 
     @rule(base=st.sampled_from(BASES), cut=st.integers(0, 10), tail=st.lists(st.integers(0, 2), max_size=4),
-          gen=st.integers(1, 8), ns=st.sampled_from(NAMESPACES))
-    def add(self, base: tuple[int, ...], cut: int, tail: list[int], gen: int, ns: str) -> None:
+          gen=st.integers(1, 8), ns=st.sampled_from(NAMESPACES), first_chunk=st.sampled_from([0, 0, 3, 12]))
+    def add(self, base: tuple[int, ...], cut: int, tail: list[int], gen: int, ns: str, first_chunk: int) -> None:
         sid = f"s{self.ctr}"
         self.ctr += 1
         prompt = (list(base[:cut]) + tail) or [2]
@@ -301,14 +341,12 @@ class ManagerMachine(RuleBasedStateMachine):
         assert cached % ps == 0 and cached < len(prompt)
         assert len(self.m.page_table(sid)) == cached // ps
         self.live[sid] = {"tokens": tokens, "computed": cached, "ns": ns}
+        if first_chunk:  # as the scheduler does: admit and allocate the first chunk in one round
+            self._compute(sid, first_chunk)
         self._run_transfers()  # the hit's pages must hold exactly this prefix
 
     def _run_transfers(self) -> None:
-        x = self.m.take_transfers()
-        for g, h in x.gpu_to_host:
-            self.host[h] = self.gpu[g]
-        for h, g in x.host_to_gpu:
-            self.gpu[g] = self.host[h]
+        apply_phases(self.m.take_transfers(), self.gpu, self.host)
         self._check_contents()
 
     def _check_contents(self) -> None:
