@@ -6,9 +6,14 @@ heads of a GQA group choose together):
     page index:  0 .. sink-1 | sink .................................. w0-1 | w0 ...... n-1
                  sink pages  | candidates: the top-k by a score from        | window pages: the
                  (always)    | kv/summaries.py PageSummaries, per kv head   | last `window` tokens
-                                                                            | (always; n-1 holds the
+                             | (pinned pages: always, not candidates)       | (always; n-1 holds the
                                                                             | current token)
-    k = budget // page_size - sink pages - window pages
+    k = budget // page_size - sink pages - pinned pages - window pages
+
+Pinned pages (AttentionMetadata.pinned_pages, from the request's pinned spans: system prompt and
+tools, the current user turn and its tool trajectory; server/spans.py) are attended like the sink
+and the window; admission (engine/request.py PinnedBudget) refuses requests whose pinned pages,
+sink and window exceed the budget.
 
 and attends exactly (softmax over the selected keys only) over those pages. Everything else (prefill
 chunks, sequences at or under the budget) goes through the owned DensePagedAttention unchanged, so
@@ -187,15 +192,18 @@ class RetrievalAttention:
     def _selection_tables(self, meta: AttentionMetadata, sel: list[int], device: torch.device) -> "_Selection":
         """Per selected row: fixed pages (sink + window) and candidate pages, padded into tensors."""
         ps, window = self.store.page_size, max(self.config.window, 1)
+        pinned_all = meta.pinned_pages
         fixed, cands, ks, ctxs = [], [], [], []
         for b in sel:
             ctx = meta.seq_lens[b]
             n = -(-ctx // ps)
             n_sink = min(self.sink_pages, n)
             w0 = max(n_sink, (ctx - window) // ps)  # first window page
-            fixed.append(list(range(n_sink)) + list(range(w0, n)))
-            cands.append(list(range(n_sink, w0)))
-            ks.append(self.budget_pages - len(fixed[-1]))
+            pinned = [i for i in (pinned_all[b] if pinned_all else ()) if n_sink <= i < w0]
+            fixed.append(list(range(n_sink)) + pinned + list(range(w0, n)))
+            taken = set(pinned)
+            cands.append([i for i in range(n_sink, w0) if i not in taken])
+            ks.append(max(self.budget_pages - len(fixed[-1]), 0))  # admission keeps pinned within budget
             ctxs.append(ctx)
         r, f, c = len(sel), max(map(len, fixed)), max(map(len, cands))
         k = max(ks)

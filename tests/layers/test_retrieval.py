@@ -197,6 +197,34 @@ def test_quest_takes_the_pages_with_the_highest_bound():
         assert set(idx[0, h].tolist()) == {0, 10} | set(best)
 
 
+def test_pinned_pages_are_always_attended_and_never_candidates():
+    """Pinned pages (AttentionMetadata.pinned_pages) join the sink and window in every kv head's
+    selection, whatever their score; the top-k fills what is left of the budget from the rest."""
+    hq, hkv = 4, 2
+    cfg = RetrievalConfig(budget=28, sink=1, window=1, selector="quest")  # 7 pages: sink, newest, 5 more
+    pool = PagePool(make_format("fp32"), 1, PAGES, hkv, PS, D, "cpu")
+    retr = RetrievalAttention(pool, D ** -0.5, cfg, record=True)
+    meta, q, k, v = _fill(pool, [retr], [61], [1], hq, seed=7)
+    pinned = [3, 4, 9]
+    meta.pinned_pages = [pinned]
+    retr.plan(meta)
+    out = retr.forward(0, q, k, v, meta)
+    idx, valid = retr.last_selection[0]
+    for h in range(hkv):
+        chosen = [int(p) for p, ok in zip(idx[0, h], valid[0, h]) if ok]
+        assert len(chosen) == len(set(chosen)) == 7
+        assert {0, 15, *pinned} <= set(chosen)  # sink, the newest page, every pinned page
+    torch.testing.assert_close(out[0], _selected_reference(pool, meta, q, 0, idx[0], valid[0]),
+                               rtol=1e-5, atol=1e-5)
+    # without pins, the same step chooses differently: the pins displaced candidates
+    meta2, q2, k2, v2 = _fill(PagePool(make_format("fp32"), 1, PAGES, hkv, PS, D, "cpu"), [], [61], [1], hq, seed=7)
+    free = RetrievalAttention(pool, D ** -0.5, cfg, record=True)
+    free.summaries = retr.summaries
+    free.plan(meta2)
+    free.forward(0, q2, k2, v2, meta2)
+    assert not torch.equal(free.last_selection[0][0], idx)
+
+
 def test_config_validation_and_registry():
     with pytest.raises(ValueError, match="selector"):
         RetrievalConfig(budget=64, selector="oracle")
