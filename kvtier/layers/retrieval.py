@@ -62,8 +62,11 @@ class RetrievalAttention:
     name = "retrieval"
 
     def __init__(self, store, scale: float, config: RetrievalConfig, host_store: object | None = None,
-                 summaries: PageSummaries | None = None, record: bool = False):
-        """summaries: shared with other backends over the same pool (eval); None: a new one."""
+                 summaries: PageSummaries | None = None, record: bool = False, kernel: bool | None = None):
+        """summaries: shared with other backends over the same pool (eval); None: a new one.
+        kernel: attend through kernels/retrieval_attention.py paged_decode_selected (each kv head
+        reads only its own pages, in place) when every selected page is in the compute pool;
+        None: on CUDA. Recording (`record`) keeps the PyTorch path."""
         if not config.enabled:
             raise ValueError("RetrievalAttention needs a kvmem budget > 0")
         self.store = store
@@ -74,6 +77,9 @@ class RetrievalAttention:
         self.native = self.dense.native
         self.summaries = summaries if summaries is not None else PageSummaries.for_pool(store)
         self.record = record
+        self.kernel = (store.device.type == "cuda") if kernel is None else kernel
+        self.num_sms = (torch.cuda.get_device_properties(store.device).multi_processor_count
+                        if store.device.type == "cuda" else 4)
         self.host_summaries: PageSummaries | None = None
         self.host_cache: HostPageCache | None = None
         self.attach_host_tier(host_store)
@@ -224,7 +230,8 @@ class RetrievalAttention:
             rows=to(torch.tensor([meta.query_start_loc[b] for b in sel], dtype=torch.long)),
             ctx=to(torch.tensor(ctxs, dtype=torch.long)), fixed_idx=to(fixed_idx), fixed_ids=to(fixed_ids),
             cand_idx=to(cand_idx), cand_ids=to(cand_ids), top_k=to(torch.tensor(ks, dtype=torch.long)),
-            k=k, table=to(table), starts=to(torch.arange(r * hkv, dtype=torch.long) * n_sel))
+            k=k, table=to(table), starts=to(torch.arange(r * hkv, dtype=torch.long) * n_sel),
+            has_host=bool((table < 0).any()))
 
     # -- per layer --------------------------------------------------------------------------------
 
@@ -250,6 +257,9 @@ class RetrievalAttention:
     def _retrieve(self, layer: int, q: torch.Tensor, sel: "_Selection") -> torch.Tensor:
         """q: [R, Hq, D] (one decode row per selected sequence) -> [R, Hq, D]."""
         idx, ids, valid = self.select(layer, q, sel)
+        if self.kernel and not sel.has_host and not self.record:
+            self.retrieved_rows += q.shape[0]
+            return self._retrieve_kernel(layer, q, sel, idx, ids, valid)
         r, hkv, n_sel = idx.shape
         ps, d = self.store.page_size, q.shape[-1]
         kp, vp = self._read(layer, ids.reshape(-1), idx.reshape(-1), sel.starts)  # [R*Hkv*n, Hkv, ps, D]
@@ -266,6 +276,25 @@ class RetrievalAttention:
             self.last_selection[layer] = (idx, valid)
             self.mass_log.append(self._selected_mass(layer, qn, sel, idx, valid))
         return self.store.native_out(o) if self.native else o
+
+    def _retrieve_kernel(self, layer: int, q: torch.Tensor, sel: "_Selection", idx: torch.Tensor,
+                         ids: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+        """The same attention by the split-K kernel over each kv head's own list (raw q in)."""
+        from kvtier.kernels.paged_attention import NativeDomain, fold_native_supported
+        from kvtier.kernels.retrieval_attention import paged_decode_selected, selected_num_splits
+        store, fmt = self.store, self.store.fmt
+        r, hkv, n_sel = idx.shape
+        sink = (store.sink_k[layer], store.sink_v[layer], store.sink_slot) if store.sink_slots else None
+        splits = selected_num_splits(r, hkv, n_sel, store.page_size, self.num_sms)
+        page_idx = torch.where(valid, idx, torch.full_like(idx, -1))
+        native = None
+        if self.native and fold_native_supported(q.shape[-1]):
+            native = NativeDomain(store.k_channel_scale[layer], fmt.rotate_k, fmt.rotate_v)
+        elif self.native:
+            q = store.native_q(layer, q)
+        o = paged_decode_selected(q, store.layers[layer], fmt, ids, page_idx, None, sel.ctx, self.scale, splits,
+                                  sink=sink, native=native)
+        return store.native_out(o) if self.native and native is None else o
 
     def _read(self, layer: int, ids: torch.Tensor, idx: torch.Tensor, starts: torch.Tensor,
               cache: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
@@ -418,6 +447,7 @@ class _Selection:
     k: int  # max(top_k)
     table: torch.Tensor  # [R, n_pages max] the full page tables (mass recording)
     starts: torch.Tensor  # [R * Hkv] position of page 0 in the flattened selection (sink rows)
+    has_host: bool = False  # some selecting sequence has host-tier pages
 
 
 @dataclass

@@ -278,10 +278,13 @@ class RetrievalStep:
 
 
 def retrieval_step(name: str, kv_heads: int, gqa: int, page_size: int, head_dim: int, ctx_lens: list[int],
-                   budget: int, dtype: torch.dtype, device: str, seed: int) -> RetrievalStep:
+                   budget: int, dtype: torch.dtype, device: str, seed: int,
+                   kernel: bool | None = None) -> RetrievalStep:
     """Sequences of ctx_lens on shuffled pages, history written as one prefill each (sink rows and
     summaries as the engine writes them), then one decode row each through RetrievalAttention
-    (quest, sink 1 token, window 1 page): every row with ctx > budget selects."""
+    (quest, sink 1 token, window 1 page): every row with ctx > budget selects. kernel: None
+    records the selection (PyTorch path; RetrievalStep.sel); True / False attend through the
+    kernel or the PyTorch path without recording (sel is None)."""
     from kvtier.config import RetrievalConfig
     from kvtier.layers.attention import AttentionMetadata
     from kvtier.layers.retrieval import RetrievalAttention
@@ -290,7 +293,8 @@ def retrieval_step(name: str, kv_heads: int, gqa: int, page_size: int, head_dim:
     num_pages = sum(need) + SPARE_PAGES
     pool = PagePool(make_format(name), 1, num_pages, kv_heads, page_size, head_dim, device, compute_dtype=dtype)
     scale = head_dim ** -0.5
-    att = RetrievalAttention(pool, scale, RetrievalConfig(budget=budget, sink=1, window=page_size), record=True)
+    att = RetrievalAttention(pool, scale, RetrievalConfig(budget=budget, sink=1, window=page_size),
+                             record=kernel is None, kernel=bool(kernel))
     free = torch.randperm(num_pages, generator=g).tolist()
     tables = [[free.pop() for _ in range(n)] for n in need]
     hq = kv_heads * gqa
@@ -309,6 +313,8 @@ def retrieval_step(name: str, kv_heads: int, gqa: int, page_size: int, head_dim:
     att.plan(meta)
     out = att.forward(0, q, torch.stack([k[-1] for k in ks]), torch.stack([v[-1] for v in vs]), meta)
     chosen = meta.step_cache[id(att)].sel  # the step's selection tables (rows, ctx, page tables)
+    if kernel is not None:
+        return RetrievalStep(pool, q[chosen.rows], out[chosen.rows], None, chosen.ctx, scale)
     idx, valid = att.last_selection[0]  # [R, Hkv, n_sel]
     ids = chosen.table.gather(1, idx.flatten(1)).view_as(idx)
     return RetrievalStep(pool, q[chosen.rows], out[chosen.rows], Selection(ids, idx, valid), chosen.ctx, scale)

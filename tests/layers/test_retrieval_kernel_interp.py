@@ -63,7 +63,29 @@ def main() -> None:
             check_quest_scores(ra, hkv, g, d, with_host, seed=600 + i)
         except AssertionError as e:
             failures.append(f"quest_scores Hkv={hkv} G={g} D={d} host={with_host}: {e}")
+    for i, (name, gqa) in enumerate(BACKEND_CASES):  # RetrievalAttention wired to the kernel
+        try:
+            check_backend_kernel(name, gqa, seed=700 + i)
+        except AssertionError as e:
+            failures.append(f"RetrievalAttention kernel {name} gqa={gqa}: {e}")
     print("\n".join(failures) if failures else "ALL OK")
+
+
+# RetrievalAttention(kernel=True) vs its PyTorch path: (format, gqa); int8 / k8v4 fold the
+# stored domain into the kernel (raw q in), fp16 does not rotate.
+BACKEND_CASES = [("fp32", 2), ("int8", 1), ("k8v4", 4), ("fp16", 2)]
+
+
+def check_backend_kernel(name: str, gqa: int, seed: int) -> None:
+    dtype = torch.float16 if name == "fp16" else torch.float32
+    args = (name, 2, gqa, 4, 64, [37, 30, 9, 53])
+    kw = dict(budget=20, dtype=dtype, device="cpu", seed=seed)
+    ref = cases.retrieval_step(*args, kernel=False, **kw)
+    got = cases.retrieval_step(*args, kernel=True, **kw)
+    assert ref.q.shape[0] == 3 and torch.equal(ref.q, got.q)
+    tol = 2e-3 if dtype == torch.float16 else 1e-4
+    err = (got.out.float() - ref.out.float()).abs().max().item()
+    assert err <= tol * max(ref.out.float().abs().max().item(), 1.0), f"max |kernel - torch| = {err:.3g}"
 
 
 # quest_scores: (kv heads, query heads per kv head, head_dim, with a host tier)
