@@ -71,9 +71,10 @@ class Engine:
         spec = model.spec
         self.device = next(model.parameters()).device
         if self.device.type == "cpu":
-            # Denormal floats (softmax weights of far-off keys, their products) take a microcode
-            # assist on x86 per operation: a SmolLM2 decode step at 6K context took 3.4 s with
-            # them and 38 ms flushed to zero. Values under 1.2e-38 change nothing a logit shows.
+            # Denormal floats (softmax weights of far-off keys and their products) cost x86 a
+            # microcode assist per operation. The mode is per thread: threads started later
+            # inherit it, so engine/build.py sets it before loading; this covers this thread for
+            # engines built otherwise. Values under 1.2e-38 change nothing a logit shows.
             torch.set_flush_denormal(True)
         self.max_model_len = max_model_len or config.max_model_len or spec.max_position_embeddings
         cc = config.cache
