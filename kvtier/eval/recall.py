@@ -39,6 +39,12 @@ INTRO = ("There is important information hidden inside a lot of irrelevant text.
          "Find it and memorize it. I will quiz you about it.\n")
 QUESTION = {1: "\nWhat is the pass key? The pass key is",
             3: "\nWhat are the three pass keys? The three pass keys are"}
+# Chat prompts (an instruct model's own template): the question ends the user turn, the answer's
+# first words open the assistant turn.
+CHAT_QUESTION = {1: ("\nWhat is the pass key?", "The pass key is"),
+                 3: ("\nWhat are the three pass keys?", "The three pass keys are")}
+PROMPT_FORMATS = ("auto", "raw", "chat")
+_USER_MARK = "\ue000"  # a private-use character no template or prompt contains
 # Greedy tokens per needle: a 5-digit key is 1-5 tokens, plus a separator or two.
 TOKENS_PER_NEEDLE = 8
 from kvtier.config import DEFAULT_PAGE_SIZE  # noqa: E402
@@ -139,12 +145,32 @@ def _filler(tok, haystack: str, n: int, rng: random.Random) -> list[int]:
     return ids[:n]
 
 
+def chat_frame(tok) -> tuple[str, str] | None:
+    """(text before, text after) the user's content in a one-turn chat with the generation prompt,
+    from the model's template; None without one."""
+    if not getattr(tok, "chat_template", None):
+        return None
+    text = tok.apply_chat_template([{"role": "user", "content": _USER_MARK}], add_generation_prompt=True)
+    before, _, after = text.partition(_USER_MARK)
+    return before, after
+
+
 def build_prompt(tok, length: int, depth: float, needles: int, haystack: str, rng: random.Random,
-                 page_size: int) -> tuple[list[int], list[str]]:
-    """-> (prompt ids, a multiple of page_size long and <= length, the keys planted)."""
+                 page_size: int, chat: bool = False) -> tuple[list[int], list[str]]:
+    """-> (prompt ids, a multiple of page_size long and <= length, the keys planted). chat: the
+    intro, haystack and question as one user turn in the model's template, the answer's first
+    words after the generation prompt."""
     keys = [str(rng.randrange(10000, 100000)) for _ in range(needles)]
     needle_ids = [tok.encode(f" The pass key is {k}. Remember it. {k} is the pass key.") for k in keys]
-    head, tail = tok.encode(INTRO), tok.encode(QUESTION[needles])
+    frame = chat_frame(tok) if chat else None
+    if chat and frame is None:
+        raise ValueError("chat prompts need a model with a chat template")
+    if frame is None:
+        head, tail = tok.encode(INTRO), tok.encode(QUESTION[needles])
+    else:
+        question, primer = CHAT_QUESTION[needles]
+        head = tok.encode(frame[0]) + tok.encode(INTRO)
+        tail = tok.encode(question) + tok.encode(frame[1]) + tok.encode(primer)
     total = length - length % page_size
     n_fill = total - len(head) - len(tail) - sum(map(len, needle_ids))
     if n_fill < needles:
@@ -163,8 +189,13 @@ def build_prompt(tok, length: int, depth: float, needles: int, haystack: str, rn
 def run_recall(model: torch.nn.Module, tok, lengths: list[int], depths: list[float], trials: int = 3,
                needles: int = 1, haystack: str = "repeated", budget: int = 1024,
                selectors: list[str] | None = None, sink: int = DEFAULT_SINK, window: int = DEFAULT_WINDOW,
-               seed: int = 0, page_size: int = DEFAULT_PAGE_SIZE, record_mass: bool = False) -> list[Trial]:
-    """Every (length, depth, trial) prompt, decoded by dense attention and each selector."""
+               seed: int = 0, page_size: int = DEFAULT_PAGE_SIZE, record_mass: bool = False,
+               prompt_format: str = "raw") -> list[Trial]:
+    """Every (length, depth, trial) prompt, decoded by dense attention and each selector.
+    prompt_format: raw text, chat (the model's template), auto (chat when the model has one)."""
+    if prompt_format not in PROMPT_FORMATS:
+        raise ValueError(f"prompt_format must be one of {', '.join(PROMPT_FORMATS)}")
+    chat = prompt_format == "chat" or (prompt_format == "auto" and chat_frame(tok) is not None)
     if needles not in QUESTION or haystack not in HAYSTACKS:
         raise ValueError(f"needles must be 1 or 3 and haystack one of {', '.join(HAYSTACKS)}")
     selectors = list(SELECTORS[:1] if selectors is None else selectors)
@@ -176,7 +207,7 @@ def run_recall(model: torch.nn.Module, tok, lengths: list[int], depths: list[flo
         for depth in depths:
             for t in range(trials):
                 rng = random.Random(f"{seed}:{haystack}:{needles}:{length}:{depth}:{t}")
-                ids, keys = build_prompt(tok, length, depth, needles, haystack, rng, page_size)
+                ids, keys = build_prompt(tok, length, depth, needles, haystack, rng, page_size, chat)
                 first = int(runner.prefill(ids).argmax())
                 for method in [DENSE, *selectors]:
                     gen = runner.greedy(method, first, len(ids), max_new, stop)
@@ -261,10 +292,11 @@ def main(args: argparse.Namespace) -> int:
         for nd in (int(x) for x in args.needles.split(",")):
             trials += run_recall(model, tok, lengths, [float(x) for x in args.depths.split(",")], args.trials,
                                  nd, hay, args.budget, selectors, args.sink, args.window, args.seed,
-                                 args.page_size, args.mass)
+                                 args.page_size, args.mass, args.prompt_format)
     table = summarize(trials)
-    title = (f"{args.model}: passkey recall, budget {args.budget} (sink {args.sink}, window {args.window}, "
-             f"page {args.page_size}){'; (mean selected mass)' if args.mass else ''}")
+    fmt = args.prompt_format if args.prompt_format != "auto" else ("chat" if chat_frame(tok) else "raw")
+    title = (f"{args.model}: passkey recall ({fmt} prompts), budget {args.budget} (sink {args.sink}, "
+             f"window {args.window}, page {args.page_size}){'; (mean selected mass)' if args.mass else ''}")
     md = [f"### {title}", "", to_markdown(table)]
     out = Table(title=title)
     for h in table[0]:

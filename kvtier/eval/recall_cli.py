@@ -31,6 +31,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--page-size", type=int, default=DEFAULT_PAGE_SIZE)
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     p.add_argument("--dtype", default="auto", choices=("auto", "fp32", "bf16", "fp16"))
+    p.add_argument("--prompt-format", default="auto", choices=("auto", "raw", "chat"),
+                   help="chat: haystack and question as a user turn in the model's chat template "
+                        "(auto: when the model has one); raw: plain text")
     p.add_argument("--mass", action="store_true", help="also record the dense mass the selection covers")
     p.add_argument("--fidelity-tokens", type=int, default=0,
                    help="natural-text KL / mass: teacher-forced decode tokens past max(--lengths) (0: off)")

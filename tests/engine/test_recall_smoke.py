@@ -17,6 +17,16 @@ def test_prompts_are_whole_pages_and_hold_every_key(smol_parts):
         assert all(f"The pass key is {k}." in text for k in keys)
 
 
+def test_chat_prompts_wrap_haystack_and_question_in_the_template(smol_parts):
+    _, tok = smol_parts
+    ids, keys = build_prompt(tok, 500, 0.6, 1, "repeated", random.Random(1), 16, chat=True)
+    text = tok.decode(ids)
+    assert len(ids) % 16 == 0 and len(ids) <= 500
+    user_turn = text.index("<|im_start|>user\n")
+    assert user_turn < text.index("The pass key is " + keys[0]) < text.index("What is the pass key?")
+    assert text.endswith("<|im_start|>assistant\nThe pass key is")
+
+
 def test_budget_at_least_context_answers_as_dense(smol_parts):
     model, tok = smol_parts
     trials = run_recall(model, tok, [512], [0.5], trials=1, needles=1, haystack="varied", budget=1024,
