@@ -395,7 +395,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(fn=cmd_plan)
     p = sub.add_parser("eval", help="quality evaluations (recall: dense vs retrieval attention)")
     from kvtier.eval import recall_cli  # torch-free: the evaluation itself is imported when it runs
-    recall_cli.add_parser(p.add_subparsers(dest="eval_cmd", required=True))
+    evals = p.add_subparsers(dest="eval_cmd", required=True)
+    recall_cli.add_parser(evals)
+    recall_cli.add_planted_parser(evals)
     return ap
 
 

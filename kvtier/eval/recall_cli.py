@@ -40,3 +40,30 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--markdown", type=Path, default=None, help="also write the tables here")
     p.set_defaults(fn=_run)
     return p
+
+
+def _run_planted(args: argparse.Namespace) -> int:
+    from kvtier.eval import planted
+    return planted.main(args)
+
+
+def add_planted_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """`planted` under `kvtier eval`: needles planted into random keys, no model (eval/planted.py)."""
+    p = subparsers.add_parser("planted", help="does the page index find planted needles (random keys, any length)")
+    p.add_argument("--lengths", default="4096,32768", help="context lengths in tokens, comma-separated")
+    p.add_argument("--margins", default="1,3,6", help="needle logit over the strongest random key, nats")
+    p.add_argument("--trials", type=int, default=4)
+    p.add_argument("--budget", type=int, default=2048)
+    p.add_argument("--sink", type=int, default=16)
+    p.add_argument("--window", type=int, default=256)
+    p.add_argument("--selectors", default=",".join(SELECTORS))
+    p.add_argument("--kv-heads", type=int, default=8)
+    p.add_argument("--gqa", type=int, default=4, help="query heads per kv head")
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--page-size", type=int, default=DEFAULT_PAGE_SIZE)
+    p.add_argument("--kv-dtype", default="bf16", choices=("fp32", "bf16", "fp16", "fp8", "int8", "k8v4", "int4"))
+    p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--markdown", type=Path, default=None, help="also write the table here")
+    p.set_defaults(fn=_run_planted)
+    return p
