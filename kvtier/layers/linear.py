@@ -116,7 +116,10 @@ class Linear(torch.nn.Module):
         """residual + x @ W^T (+ b) in one GEMM call. residual: [T, out], x: [T, in] -> [T, out]
 
         On CUDA the sum is written into `residual` (the decoder's residual stream is not read
-        again after this add)."""
+        again after this add). A residual of another dtype (the CPU fp32 stream, models/decoder.py)
+        gets the product in its own dtype."""
+        if residual.dtype != x.dtype:
+            return residual + self.forward(x)
         if self._uses_quantized(x):
             return self.forward(x).add_(residual)
         if residual.is_cuda:  # in place: torch.addmm would first copy the residual (one more kernel)

@@ -7,13 +7,15 @@ Where the weight lives decides how it is held and multiplied:
     CPU, bf16      repacked once at build time for torch's CPU kernels, and the QuantWeight freed:
                      4-bit, group 32..256  -> Int4PackCPU: torch's int4pack (w = (q - 8) s + z,
                                               bf16 s and z), `_weight_int4pack_mm_for_cpu`
-                     8-bit                 -> Int8RowsCPU: one int8 code and bf16 scale per row
-                                              (`_weight_int8pack_mm`), requantized from the groups;
-                                              the lm_head: Int8SplitCPU, the codes exactly as two
-                                              int4pack halves (pack_for says why)
-                   batches up to CPU_GEMV_MAX_ROWS rows (decode and CPU prefill chunks) run those
-                   kernels; larger ones dequantize CPU_SCRATCH_ELEMS weights at a time into one
-                   reused bf16 buffer (`Scratch`, shared by a model's layers) for the dense GEMM.
+                     8-bit (Q8_0, Q6_K, ..) -> Int8SplitCPU: the codes exactly, as two int4pack
+                                              halves (groups of 16 re-rounded to 32 first)
+                     8-bit holding 5 bits  -> Int8RowsCPU: one int8 code and bf16 scale per row
+                       (Q5_0)                 over power-of-two column scales
+                                              (`_weight_int8pack_mm`), requantized (pack_for says why)
+                   batches up to the packing's gemv_max_rows (CPU_GEMV_MAX_ROWS; per-row int8:
+                   INT8_ROWS_GEMV_MAX_ROWS) run those kernels; larger ones dequantize
+                   CPU_SCRATCH_ELEMS weights at a time into one reused bf16 buffer (`Scratch`,
+                   shared by a model's layers) for the dense GEMM.
     CPU, other     QuantRef: the QuantWeight, dequantized chunk by chunk into the scratch for
                    every call (the exact fp32 path; slow, for references and tests)
 
@@ -26,14 +28,17 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kvtier.layers.linear import quantize_rows_int8
-from kvtier.layers.qweight import QuantWeight
+from kvtier.layers.qweight import INT8_MAX, QuantWeight, pack_int4
 
 # Rows of x up to which CPU matmuls run torch's int4 / int8 weight kernels; above, dequantize +
 # dense GEMM. Measured on a 2-core AVX512-BF16 EPYC (no AMX): the kernels match or beat dequantize
 # + GEMM up to 512 rows (int4 [9728, 896]: 20 ms vs 96 ms at 128 rows, 75 vs 64 ms at 512), since
 # dequantizing costs more than a GEMM of a few hundred rows. CPU prefill chunks are 512 tokens.
 CPU_GEMV_MAX_ROWS = 1024
+# Per-row int8 dequantizes fast (one multiply, 3 ms for [9728, 896] on one core) and its kernel
+# gains nothing from more rows (27 ms at 256 rows vs 3 + 10 ms dequantize + bf16 GEMM; even at 64):
+# batches above this many rows take the dense GEMM.
+INT8_ROWS_GEMV_MAX_ROWS = 48
 # torch's CPU int4pack interleaves output rows in blocks of 64 (row d and d + 32 of a block share
 # a byte); weights are padded to a multiple of this.
 INT4PACK_BLOCK_N = 64
@@ -43,6 +48,8 @@ INT4_OFFSET = 8  # torch's int4pack: w = (q - 8) * scale + zero
 CPU_SCRATCH_ELEMS = 16 << 20
 # Rows requantized at once when building a per-row int8 copy (bounds the fp32 temporary).
 REQUANT_ROWS = 4096
+# Smallest column scale of Int8RowsCPU (an all-zero column keeps a normal power of two).
+COL_SCALE_MIN = 2.0 ** -60
 PACK_ROWS = 64 * 64  # rows repacked to int4pack at once (a multiple of INT4PACK_BLOCK_N)
 
 
@@ -81,6 +88,7 @@ class PackedWeight(torch.nn.Module):
         return sum(b.numel() * b.element_size() for b in self.buffers())
 
     row_align = 1  # dequantize_into chunks start at multiples of this
+    gemv_max_rows = CPU_GEMV_MAX_ROWS  # larger batches dequantize into the scratch for a dense GEMM
 
 
 class Int4PackCPU(PackedWeight):
@@ -89,24 +97,32 @@ class Int4PackCPU(PackedWeight):
 
     row_align = INT4PACK_BLOCK_N
 
-    def __init__(self, qw: QuantWeight, dtype: torch.dtype = torch.bfloat16) -> None:
+    def __init__(self, group: int, scale: torch.Tensor, zero: torch.Tensor, k: int,
+                 dtype: torch.dtype = torch.bfloat16) -> None:
+        """w = (q - 8) * scale + zero with scale, zero fp32 [N, K / group]; the codes start at 0 and
+        are filled by pack_rows."""
         super().__init__()
-        n, k = qw.shape
-        self.shape, self.group = (n, k), qw.group
-        np_ = -(-n // INT4PACK_BLOCK_N) * INT4PACK_BLOCK_N
-        packed = torch.zeros(np_, k // 2, dtype=torch.uint8)  # padding rows: code 0, scale 0
-        for r0 in range(0, n, PACK_ROWS):
-            r1 = min(n, r0 + PACK_ROWS)
-            packed[r0:-(-r1 // INT4PACK_BLOCK_N) * INT4PACK_BLOCK_N] = int4pack_rows(qw.qweight[r0:r1])
-        scale = torch.zeros(np_, k // qw.group)
-        scale[:n] = qw.scales.float()
-        mins = torch.zeros_like(scale)
+        n = scale.shape[0]
+        self.shape, self.group = (n, k), group
+        self.register_buffer("packed", torch.zeros(padded_rows(n), k // 2, dtype=torch.uint8), persistent=False)
+        self.register_buffer("sz", scales_and_zeros(scale, zero, dtype), persistent=False)
+
+    @classmethod
+    def from_qweight(cls, qw: QuantWeight, dtype: torch.dtype = torch.bfloat16) -> "Int4PackCPU":
+        """A 4-bit QuantWeight's codes as they are: (q - 8) * scale + (min + 8 scale) == q * scale + min."""
+        scale = qw.scales.float()
+        zero = INT4_OFFSET * scale
         if qw.mins is not None:
-            mins[:n] = qw.mins.float()
-        zero = mins + INT4_OFFSET * scale  # (q - 8) * scale + zero == q * scale + min
-        self.register_buffer("packed", packed, persistent=False)
-        self.register_buffer("sz", torch.stack((scale, zero), -1).transpose(0, 1).contiguous().to(dtype),
-                             persistent=False)  # [K / group, Np, 2]
+            zero += qw.mins.float()
+        out = cls(qw.group, scale, zero, qw.shape[1], dtype)
+        for r0 in range(0, qw.shape[0], PACK_ROWS):
+            out.pack_rows(r0, qw.qweight[r0:r0 + PACK_ROWS])
+        return out
+
+    def pack_rows(self, r0: int, codes: torch.Tensor) -> None:
+        """QuantWeight-layout codes uint8 [R, K / 2] of rows r0.. into the packing (r0 a multiple of 64)."""
+        r1 = r0 + codes.shape[0]
+        self.packed[r0:-(-r1 // INT4PACK_BLOCK_N) * INT4PACK_BLOCK_N] = int4pack_rows(codes)
 
     def gemv(self, x: torch.Tensor) -> torch.Tensor:
         y = torch._weight_int4pack_mm_for_cpu(x.contiguous(), self.packed, self.group, self.sz)
@@ -148,49 +164,78 @@ class Int4PackCPU(PackedWeight):
 
 
 class Int8RowsCPU(PackedWeight):
-    """Per-row int8 for torch's `_weight_int8pack_mm`: q int8 [N, K], scale [N] (the activation dtype).
+    """Per-row int8 for torch's `_weight_int8pack_mm`, over inputs scaled per column:
 
-    Built from any QuantWeight by dequantizing and re-rounding each row to its own absmax / 127:
-    lossy where a row's groups have different scales (each code moves by at most half a row step).
+        W[n, k] ~= q[n, k] * scale[n] * col[k]      q int8 [N, K], scale [N], col [K] (powers of two)
+
+    Built from any QuantWeight by dequantizing and re-rounding each row to its own absmax / 127;
+    x is multiplied by col (exact: powers of two) before the int8 kernel. col is each input
+    column's RMS over the rows, rounded to a power of two, so a few large input channels (Qwen's
+    outlier columns) no longer set the step of every row. Lossy: each code moves by at most half
+    a row step. On Qwen2.5-Coder-0.5B's Q5_0 matrices the re-rounding adds 5-7% to the noise
+    the file's own rounding has (8-11% without col); on Q8_0 / Q6_K it adds 3x, so those take
+    Int8SplitCPU (pack_for).
     """
+
+    gemv_max_rows = INT8_ROWS_GEMV_MAX_ROWS
 
     def __init__(self, qw: QuantWeight, dtype: torch.dtype = torch.bfloat16) -> None:
         super().__init__()
         n, k = qw.shape
         self.shape = (n, k)
+        sumsq = torch.zeros(k)
+        for r0 in range(0, n, REQUANT_ROWS):
+            sumsq += _slice_rows(qw, r0, min(n, r0 + REQUANT_ROWS)).dequantize().square().sum(0)
+        col = torch.exp2(torch.round(torch.log2((sumsq / n).sqrt().clamp_min(COL_SCALE_MIN))))
         q = torch.empty(n, k, dtype=torch.int8)
         s = torch.empty(n, dtype=dtype)
         for r0 in range(0, n, REQUANT_ROWS):
             part = _slice_rows(qw, r0, min(n, r0 + REQUANT_ROWS))
-            q[r0:r0 + part.shape[0]], s[r0:r0 + part.shape[0]] = quantize_rows_int8(part.dequantize().to(dtype))
+            q[r0:r0 + part.shape[0]], s[r0:r0 + part.shape[0]] = _rows_int8(part.dequantize() / col, dtype)
         self.register_buffer("q", q, persistent=False)
         self.register_buffer("scale", s, persistent=False)
+        self.register_buffer("col", col.to(dtype), persistent=False)
 
     def gemv(self, x: torch.Tensor) -> torch.Tensor:
-        return torch._weight_int8pack_mm(x.contiguous(), self.q, self.scale)
+        return torch._weight_int8pack_mm(x * self.col, self.q, self.scale)
 
     def dequantize_into(self, r0: int, r1: int, out: torch.Tensor) -> None:
         torch.mul(self.q[r0:r1], self.scale[r0:r1, None], out=out)
+        out.mul_(self.col)
 
     def rows(self, idx: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        return (self.q[idx] * self.scale[idx, None]).to(dtype)
+        return (self.q[idx] * self.scale[idx, None].float() * self.col.float()).to(dtype)
 
 
 class Int8SplitCPU(PackedWeight):
-    """8-bit codes exactly, as two int4pack halves: with u = q + 128 = 16 hi + lo,
+    """8-bit codes exactly, as two int4pack halves: with u = q + 128 = 16 hi + lo (hi, lo in 0..15),
 
-        q s + m = (hi * 16 s - 128 s) + (lo * s + m)
+        q s + m = ((hi - 8) 16 s + 8 s) + ((lo - 8) s + m)
 
     so two `_weight_int4pack_mm_for_cpu` calls sum to the weight with the codes untouched (only
-    the bf16 scale / zero rounding of int4pack). Twice the int4 work and 1.25 bytes a weight."""
+    the bf16 rounding of int4pack's scales and zeros: 16 s, 8 s; s, m). The high half is the
+    weight to within 8 s, the low half zero-centred, so neither output is a large partial sum
+    that the other cancels. 1.25 bytes a weight; the int4 kernel reads a byte ~2x faster than
+    `_weight_int8pack_mm` on AVX512-BF16 (module doc), so the split costs about as much time
+    as per-row int8 and keeps what the file holds."""
 
     row_align = INT4PACK_BLOCK_N
 
     def __init__(self, qw: QuantWeight, dtype: torch.dtype = torch.bfloat16) -> None:
         super().__init__()
+        if qw.group not in INT4PACK_GROUPS:
+            qw = regroup_int8(qw, INT4PACK_GROUPS[0])
         self.shape = qw.shape
-        self.hi = Int4PackCPU(_split_half(qw, high=True), dtype)
-        self.lo = Int4PackCPU(_split_half(qw, high=False), dtype)
+        n, k = qw.shape
+        s = qw.scales.float()
+        m = qw.mins.float() if qw.mins is not None else torch.zeros_like(s)
+        self.hi = Int4PackCPU(qw.group, s * 16, s * INT4_OFFSET, k, dtype)
+        self.lo = Int4PackCPU(qw.group, s, m, k, dtype)
+        del s, m
+        for r0 in range(0, n, PACK_ROWS):
+            u = (qw.qweight[r0:r0 + PACK_ROWS].to(torch.int16) + 128).to(torch.uint8)
+            self.hi.pack_rows(r0, pack_int4(u >> 4))
+            self.lo.pack_rows(r0, pack_int4(u & 0xF))
 
     def gemv(self, x: torch.Tensor) -> torch.Tensor:
         return self.hi.gemv(x).add_(self.lo.gemv(x))
@@ -228,6 +273,36 @@ class QuantRef(PackedWeight):
         return QuantWeight(qw.bits, qw.group, sel(qw.qweight), sel(qw.scales), sel(qw.mins)).dequantize(dtype)
 
 
+def padded_rows(n: int) -> int:
+    """N rounded up to int4pack's 64-row blocks."""
+    return -(-n // INT4PACK_BLOCK_N) * INT4PACK_BLOCK_N
+
+
+def scales_and_zeros(scale: torch.Tensor, zero: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """fp32 scale, zero [N, K / group] -> int4pack's scales_and_zeros [K / group, Np, 2] in dtype
+    (padding rows: scale 0, zero 0)."""
+    n, g = scale.shape
+    sz = torch.zeros(g, padded_rows(n), 2, dtype=dtype)
+    sz[:, :n, 0] = scale.t()
+    sz[:, :n, 1] = zero.t()
+    return sz
+
+
+def regroup_int8(qw: QuantWeight, group: int) -> QuantWeight:
+    """An 8-bit QuantWeight of a finer group (GGUF's K-quants: 16) re-rounded to `group`-wide 8-bit
+    groups (quantize_rtn, REQUANT_ROWS rows at a time): each code moves by at most half a step of
+    the coarser scale, amax / 127 of the group, an eighth of a Q6_K step or less."""
+    from kvtier.layers.qweight import quantize_rtn
+
+    n, k = qw.shape
+    codes = torch.empty(n, k, dtype=torch.int8)
+    scales = torch.empty(n, k // group, dtype=qw.scales.dtype)
+    for r0 in range(0, n, REQUANT_ROWS):
+        part = quantize_rtn(_slice_rows(qw, r0, min(n, r0 + REQUANT_ROWS)).dequantize(), 8, group)
+        codes[r0:r0 + part.shape[0]], scales[r0:r0 + part.shape[0]] = part.qweight, part.scales
+    return QuantWeight(8, group, codes, scales, None)
+
+
 def int4pack_rows(qweight: torch.Tensor) -> torch.Tensor:
     """QuantWeight 4-bit codes uint8 [R, K / 2] (column 2j low nibble) -> torch's CPU int4pack bytes
     [Rp, K / 2] (Rp = R rounded up to 64, zero rows pad): byte (b, k, d) of the [Rp / 64, K, 32]
@@ -243,45 +318,45 @@ def int4pack_rows(qweight: torch.Tensor) -> torch.Tensor:
     return out.view(rp, half)
 
 
-def _split_half(qw: QuantWeight, high: bool) -> QuantWeight:
-    """One 4-bit half of an 8-bit QuantWeight (Int8SplitCPU): u = q + 128; high: u >> 4 with scale
-    16 s and min -128 s; low: u & 15 with scale s and min m. Built REQUANT_ROWS rows at a time."""
-    from kvtier.layers.qweight import pack_int4
-
-    n, k = qw.shape
-    codes = torch.empty(n, k // 2, dtype=torch.uint8)
-    for r0 in range(0, n, REQUANT_ROWS):
-        u = (qw.qweight[r0:r0 + REQUANT_ROWS].to(torch.int16) + 128).to(torch.uint8)
-        codes[r0:r0 + REQUANT_ROWS] = pack_int4(u >> 4 if high else u & 0xF)
-    s = qw.scales
-    if high:
-        return QuantWeight(4, qw.group, codes, s * 16, s * -128)
-    return QuantWeight(4, qw.group, codes, s, qw.mins if qw.mins is not None else torch.zeros_like(s))
-
-
 def _slice_rows(qw: QuantWeight, r0: int, r1: int) -> QuantWeight:
     return QuantWeight(qw.bits, qw.group, qw.qweight[r0:r1], qw.scales[r0:r1],
                        None if qw.mins is None else qw.mins[r0:r1])
 
 
-def int4pack_supported(qw: QuantWeight) -> bool:
-    return qw.bits == 4 and qw.group in INT4PACK_GROUPS and hasattr(torch, "_weight_int4pack_mm_for_cpu")
+def _rows_int8(w: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """w fp32 [R, K] -> (q int8 [R, K], scale [R] in dtype): absmax / 127 per row, rounded to dtype
+    before the codes are chosen, so the codes fit the scale the kernel multiplies by."""
+    amax = w.abs().amax(dim=1)
+    scale = torch.where(amax > 0, amax / INT8_MAX, torch.ones_like(amax)).to(dtype)
+    q = torch.round(w / scale.float()[:, None]).clamp_(-INT8_MAX, INT8_MAX).to(torch.int8)
+    return q, scale
+
+
+def fits_5_bits(qw: QuantWeight) -> bool:
+    """8-bit codes that hold 5 bits (GGUF Q5_0, -16..15): re-rounded per row to 127 levels."""
+    return qw.bits == 8 and int(qw.qweight.amin()) >= -16 and int(qw.qweight.amax()) <= 15
 
 
 def pack_for(qw: QuantWeight, dtype: torch.dtype, exact_codes: bool = False) -> PackedWeight:
     """The packing a QuantWeight on qw.device multiplies fastest in, computing in dtype (module doc).
 
-    exact_codes: 8-bit groups as two int4pack halves (Int8SplitCPU) instead of per-row int8: the
-    lm_head, whose rounding lands on the logits unaveraged (SmolLM2's Q8_0 head: mean KL to fp32
-    1.8e-3 split vs 3.7e-3 per-row int8, tests/models/test_cpu_int8_decode.py).
+    8-bit codes stay exact (Int8SplitCPU) unless they hold only 5 bits (GGUF Q5_0): per-row int8
+    (Int8RowsCPU) adds 5-7% to the file's own rounding noise there at half the kernel time, where
+    on Q8_0 / Q6_K codes it adds 3x (Qwen2.5-Coder-0.5B, mean KL to the fp32 reference: 1.0e-3
+    with Q5_0 per row, 5.3e-4 all split, 1.7e-3 all per row; decode equal, tests/models/
+    test_cpu_int8_decode.py). exact_codes: split whatever the codes (the lm_head, whose rows
+    Decoder recomputes exactly for the top logits).
     """
-    if qw.device.type == "cpu" and dtype == torch.bfloat16:
-        if int4pack_supported(qw):
-            return Int4PackCPU(qw, dtype)
-        if exact_codes and qw.bits == 8 and qw.group in INT4PACK_GROUPS and hasattr(torch, "_weight_int4pack_mm_for_cpu"):
-            return Int8SplitCPU(qw, dtype)
-        if hasattr(torch, "_weight_int8pack_mm"):
-            return Int8RowsCPU(qw, dtype)
+    if qw.device.type != "cpu" or dtype != torch.bfloat16:
+        return QuantRef(qw)
+    has_int4 = hasattr(torch, "_weight_int4pack_mm_for_cpu")
+    has_int8 = hasattr(torch, "_weight_int8pack_mm")
+    if qw.bits == 4 and has_int4 and qw.group in INT4PACK_GROUPS:
+        return Int4PackCPU.from_qweight(qw, dtype)
+    if qw.bits == 8 and has_int4 and (exact_codes or not fits_5_bits(qw) or not has_int8):
+        return Int8SplitCPU(qw, dtype)
+    if has_int8:
+        return Int8RowsCPU(qw, dtype)
     return QuantRef(qw)
 
 
@@ -299,16 +374,18 @@ class QuantLinear(torch.nn.Module):
         self.on_cuda = qw.device.type == "cuda"
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-        """x [T, K] (+ residual [T, N]) -> [T, N]"""
+        """x [T, K] (+ residual [T, N], in x's dtype or the CPU fp32 stream's) -> [T, N] in residual's dtype"""
         if self.on_cuda:
             from kvtier.kernels.wq_matmul import wq_linear  # written alongside; CUDA only
             return wq_linear(x, self.weight.qw, self.bias, residual)
-        y = self.weight.gemv(x) if x.shape[0] <= CPU_GEMV_MAX_ROWS else None
+        y = self.weight.gemv(x) if x.shape[0] <= self.weight.gemv_max_rows else None
         if y is None:
             y = self._dense_matmul(x)
         if self.bias is not None:
             y = y.add_(self.bias)
-        return y if residual is None else y.add_(residual)
+        if residual is None:
+            return y
+        return y.add_(residual) if residual.dtype == y.dtype else residual + y
 
     def add_to(self, residual: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """residual [T, N] + x [T, K] @ W^T (+ b)."""
@@ -353,7 +430,8 @@ class FusedParts(torch.nn.Module):
         return torch.cat([p(x) for p in self.parts], dim=-1)
 
     def add_to(self, residual: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        return self.forward(x).add_(residual)
+        y = self.forward(x)
+        return y.add_(residual) if residual.dtype == y.dtype else residual + y
 
     def decode_bytes(self) -> int:
         return sum(p.decode_bytes() for p in self.parts)

@@ -10,6 +10,10 @@ Weights are taken with Hugging Face's tensor names (registry.expected_shapes), e
 dense tensor or a QuantWeight (layers/qweight.py, kept in the checkpoint's own format);
 q/k/v and gate/up are concatenated at load so each layer runs four matmuls (more where the
 parts' formats differ: layers/qlinear.py make_linear). Every weight is held once.
+
+On CPU the residual stream, the norms and the logits stay fp32 while the matmuls take bf16
+inputs (torch's CPU kernels), as llama.cpp keeps fp32 activations: `residual_dtype_for`,
+`Decoder._refine_top`.
 """
 
 from __future__ import annotations
@@ -31,11 +35,21 @@ from kvtier.models.registry import expected_shapes, optional_shapes
 
 # Activation/weight dtypes the decoder runs in.
 COMPUTE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# CPU: logits recomputed in fp32 per row (Decoder._refine_top); past the top 64 candidates the
+# probability left is negligible for sampling and for KL.
+EXACT_TOP_LOGITS = 64
 # How many offending tensor names a ValueError lists before eliding the rest.
 MAX_NAMES_IN_ERROR = 8
 
 
 Weight = torch.Tensor | QuantWeight  # a dense tensor or a quantized matrix
+
+
+def residual_dtype_for(device: torch.device, dtype: torch.dtype) -> torch.dtype:
+    """The residual stream's dtype: fp32 on CPU whatever the compute dtype (as llama.cpp keeps its
+    activations), so the sums over layers and the norms do not round to bf16 at every step; the
+    matmuls still take `dtype` inputs (torch's CPU bf16 / int4 / int8 kernels). On CUDA `dtype`."""
+    return torch.float32 if device.type == "cpu" else dtype
 
 
 def check_tensors(spec: ModelSpec, tensors: dict[str, Weight]) -> None:
@@ -60,10 +74,14 @@ def check_tensors(spec: ModelSpec, tensors: dict[str, Weight]) -> None:
 class DecoderLayer(torch.nn.Module):
     """Pre-norm block: h += o(attn(rope(qkv(norm(h))))); h += mlp(norm(h))."""
 
-    def __init__(self, spec: ModelSpec, w: dict[str, Weight], dtype: torch.dtype, scratch: Scratch | None = None):
+    def __init__(self, spec: ModelSpec, w: dict[str, Weight], dtype: torch.dtype, scratch: Scratch | None = None,
+                 residual_dtype: torch.dtype | None = None):
         """w: this layer's tensors keyed by the name after 'model.layers.{i}.'; scratch: the model's
-        buffer for dequantized weights (layers/qlinear.py)."""
+        buffer for dequantized weights (layers/qlinear.py); residual_dtype: the residual stream's
+        dtype (Decoder.residual_dtype), in which the norms compute before casting to dtype."""
         super().__init__()
+        self.dtype = dtype
+        res = residual_dtype or dtype
         self.num_heads, self.num_kv_heads, self.head_dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
         eps = spec.rms_norm_eps
         a = "self_attn."
@@ -73,21 +91,21 @@ class DecoderLayer(torch.nn.Module):
         self.o_proj = make_linear([w[a + "o_proj.weight"]], None if o_bias is None else [o_bias], dtype, scratch)
         self.q_norm = RMSNorm(w[a + "q_norm.weight"], eps) if spec.qk_norm else None
         self.k_norm = RMSNorm(w[a + "k_norm.weight"], eps) if spec.qk_norm else None
-        self.input_norm = RMSNorm(w["input_layernorm.weight"], eps)
-        self.post_norm = RMSNorm(w["post_attention_layernorm.weight"], eps)
+        self.input_norm = RMSNorm(w["input_layernorm.weight"].to(res), eps)
+        self.post_norm = RMSNorm(w["post_attention_layernorm.weight"].to(res), eps)
         self.mlp = GatedMLP(w["mlp.gate_proj.weight"], w["mlp.up_proj.weight"], w["mlp.down_proj.weight"],
                             dtype, scratch)
 
     def forward(self, layer_idx: int, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 meta: AttentionMetadata, backend: AttentionBackend) -> torch.Tensor:
-        """h: [T, H]; cos/sin: [T, 1, D] (RotaryEmbedding) -> [T, H]"""
+        """h: [T, H] in the residual dtype; cos/sin: [T, 1, D] (RotaryEmbedding) -> [T, H]"""
         t, hq, hkv, d = h.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
-        qkv = self.qkv(self.input_norm(h))  # [T, (Hq + 2 Hkv) * D]
+        qkv = self.qkv(self.input_norm(h).to(self.dtype))  # [T, (Hq + 2 Hkv) * D]
         v = qkv[:, (hq + hkv) * d:].view(t, hkv, d)  # [T, Hkv, D]
         q, k = self._rotated_qk(qkv, cos, sin)  # [T, Hq, D], [T, Hkv, D]
         o = backend.forward(layer_idx, q, k, v, meta)  # [T, Hq, D]
         h = self.o_proj.add_to(h, o.reshape(t, hq * d))
-        return self.mlp(self.post_norm(h), residual=h)
+        return self.mlp(self.post_norm(h).to(self.dtype), residual=h)
 
     def _rotated_qk(self, qkv: torch.Tensor, cos: torch.Tensor,
                     sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -132,6 +150,7 @@ class Decoder(torch.nn.Module):
         super().__init__()
         self.spec = spec
         self.dtype = dtype
+        self.residual_dtype = residual_dtype_for(torch.device(device), dtype)
         self.scratch = Scratch()  # dequantized weights for CPU GEMMs, one buffer for all layers
         embed = tensors.pop("model.embed_tokens.weight")
         if spec.tie_word_embeddings:
@@ -142,13 +161,14 @@ class Decoder(torch.nn.Module):
             self.head = make_linear([tensors.pop("lm_head.weight")], None, dtype, self.scratch, exact_codes=True)
         del embed
         release_free_memory()
-        self.norm = RMSNorm(tensors.pop("model.norm.weight"), spec.rms_norm_eps)
+        self.norm = RMSNorm(tensors.pop("model.norm.weight").to(self.residual_dtype), spec.rms_norm_eps)
         layers = []
         for i in range(spec.num_layers):
             p = f"model.layers.{i}."
             # popped: once the layer holds its (fused, repacked) copies, the sources can be freed
             mine = [n for n in tensors if n.startswith(p)]
-            layers.append(DecoderLayer(spec, {n[len(p):]: tensors.pop(n) for n in mine}, dtype, self.scratch))
+            layers.append(DecoderLayer(spec, {n[len(p):]: tensors.pop(n) for n in mine}, dtype, self.scratch,
+                                       self.residual_dtype))
             # the popped sources were allocated by the loader's threads, whose malloc arenas the
             # next layer's repacking does not reuse: hand them back now, not after the last layer
             release_free_memory()
@@ -239,9 +259,28 @@ class Decoder(torch.nn.Module):
         positions must agree with meta (row i of seq b at seq_lens[b] - n_new_b + i); their
         bound is taken from meta.context_bound so no device sync is needed.
         """
-        h = self.embedding(input_ids)  # [T, H]
+        h = self.embedding(input_ids).to(self.residual_dtype)  # [T, H]
         cos, sin = self.rotary(positions, max_pos=meta.context_bound - 1)
         for i, layer in enumerate(self.layers):
             h = layer(i, h, cos, sin, meta, backend)
-        h = self.norm(h.index_select(0, meta.logits_indices))  # [N, H]
-        return self.head(h).float()  # [N, V]
+        h = self.norm(h.index_select(0, meta.logits_indices))  # [N, H] in the residual dtype
+        logits = self.head(h.to(self.dtype)).float()  # [N, V]
+        if self.residual_dtype != self.dtype:
+            self._refine_top(logits, h)
+        return logits
+
+    def _refine_top(self, logits: torch.Tensor, h: torch.Tensor) -> None:
+        """logits [N, V] fp32 (from the bf16 head), h [N, H] fp32: each row's EXACT_TOP_LOGITS highest
+        logits recomputed in fp32 from h and the head's rows dequantized in fp32 (CPU).
+
+        The bf16 head rounds every logit to bf16, a step of 0.125 where top logits sit (16..32),
+        and multiplies bf16-rounded inputs: mean KL ~4e-4 on SmolLM2. The candidates that hold
+        the probability mass are few, so recomputing them costs a few hundred row reads."""
+        n = logits.shape[0]
+        idx = logits.topk(min(EXACT_TOP_LOGITS, logits.shape[1]), dim=-1).indices  # [N, R]
+        head = self.head
+        flat = idx.reshape(-1)
+        rows = (head.weight.index_select(0, flat).float() if isinstance(head, Linear)
+                else head.weight.rows(flat, torch.float32))  # [N * R, H]
+        exact = torch.bmm(rows.view(n, -1, h.shape[1]), h.float().unsqueeze(-1)).squeeze(-1)  # [N, R]
+        logits.scatter_(1, idx, exact)

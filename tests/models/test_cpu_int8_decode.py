@@ -1,13 +1,21 @@
-"""The CPU default (bf16 activations, the GGUF's own quantized weights) stays close to the fp32 reference on SmolLM2.
+"""CPU bf16 decode stays close to the fp32 reference on real GGUFs (issue 11: mean KL <= 1e-3).
 
 Teacher-forced decode, one token per step so every matmul takes the small-batch kernels:
 next-token distributions against fp32 dense weights (the same GGUF, dequantized) on the same
-real model. "stored" is the engine's CPU default (layers/qlinear.py: int4pack for the Q4_1
-matmuls, per-row int8 for the Q8_0 tied embedding / lm_head); "int8" is the dense bf16 model
-with per-row int8 decode copies (what a safetensors checkpoint gets).
+real model. Modes:
+- "stored": the GGUF's own blocks in their CPU packings (layers/qlinear.py pack_for), the
+  engine's CPU default for files over CPU_DENSE_AUTO_MAX_FILE;
+- "default": what `--weights auto` builds on CPU for this file (engine/build.py): SmolLM2 is
+  small enough to run dense bf16 with int4 / int8 decode copies;
+- "int8": the dense bf16 model with per-row int8 decode copies everywhere (what a safetensors
+  checkpoint gets).
+All run with the CPU decoder's fp32 residual stream and its fp32 top-logit refinement
+(models/decoder.py).
 """
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 import torch
@@ -24,12 +32,15 @@ TEXT = ("The history of the printing press begins in the fifteenth century, when
         "presses had spread to more than two hundred cities across Europe, and the price of books fell "
         "so far that ordinary merchants could afford them.")
 STEPS = 48
-# Issue 11 aims at mean KL(fp32 reference || CPU default) <= 1e-3; bf16 activations alone (the
-# GGUF dequantized to dense bf16) measure 1.5e-3 here, the default 1.7e-3: bounded at 2e-3.
-MAX_MEAN_KL = {"stored": 2e-3, "int8": 0.05}
-MIN_TOP1_AGREEMENT = {"stored": 0.95, "int8": 0.85}
-# The stored weights are the file's 4.5-bit blocks: under a quarter of the fp32 decode bytes.
+# Measured (2026-12-04): SmolLM2 stored 4.7e-4, default 8.3e-4, int8 ~2e-3. The bounds leave ~20%
+# for other machines' kernels; int8 re-rounds every matrix per row, its bound only catches breakage.
+MAX_MEAN_KL = {"stored": 1e-3, "default": 1e-3, "int8": 0.05}
+MIN_TOP1_AGREEMENT = {"stored": 0.95, "default": 0.95, "int8": 0.85}
+# The stored weights are the file's 4.5-bit blocks (and the 8.5-bit head split in two 4-bit halves).
 MAX_BYTES_RATIO = {"stored": 1 / 5, "int8": 1 / 3}
+# Qwen2.5-Coder-0.5B (Q5_0 matrices per-row int8, the rest exact): 1.0e-3 measured; the bound
+# guards the 1.9e-3 it had before the fp32 residual stream and the split of Q8_0 / Q6_K codes.
+MAX_MEAN_KL_QWEN = 1.2e-3
 MAX_PROMPT = 8
 
 
@@ -46,37 +57,66 @@ def mean_kl(ref: torch.Tensor, got: torch.Tensor) -> float:
     return float((ref.exp() * (ref - got)).sum(-1).mean())
 
 
-@pytest.fixture(scope="module")
-def smol(smollm2_path):
-    """(fp32 reference Decoder, token ids, reference log-probs), built once."""
+def reference(path: Path):
+    """(fp32 reference Decoder, token ids of TEXT, reference log-probs)."""
     from kvtier.models.decoder import Decoder
     from kvtier.models.loading import load_checkpoint
     from kvtier.models.tokenizer import Tokenizer
 
-    ckpt = load_checkpoint(smollm2_path)
-    ref_model = Decoder.from_tensors(ckpt.spec, ckpt.tensors, torch.float32, "cpu")
+    ckpt = load_checkpoint(path)
     ids = Tokenizer.from_checkpoint(ckpt).encode(TEXT)
+    ref_model = Decoder.from_tensors(ckpt.spec, ckpt.tensors, torch.float32, "cpu", consume=True)
     assert len(ids) >= MAX_PROMPT + STEPS
     return ref_model, ids, teacher_forced_logprobs(ref_model, ids, torch.float32)
 
 
-@pytest.mark.parametrize("mode", ["stored", "int8"])
-def test_cpu_decode_close_to_fp32(smol, smollm2_path, mode):
+def cpu_model(path: Path, mode: str):
+    """The bf16 CPU Decoder of `mode` (module doc)."""
+    from kvtier.config import EngineConfig
+    from kvtier.engine.build import load_mode, prepare_model, resolve_device
     from kvtier.models.decoder import Decoder
     from kvtier.models.loading import load_checkpoint
 
-    ref_model, ids, ref = smol
-    ckpt = load_checkpoint(smollm2_path, torch.bfloat16, weights="stored" if mode == "stored" else "dense")
-    fast = Decoder.from_tensors(ckpt.spec, ckpt.tensors, torch.bfloat16, "cpu", consume=True)
+    config = resolve_device(EngineConfig(device="cpu", dtype="bf16"))
+    weights = {"stored": "stored", "int8": "dense", "default": load_mode(config, path)}[mode]
+    ckpt = load_checkpoint(path, torch.bfloat16, weights=weights)
+    net = Decoder.from_tensors(ckpt.spec, ckpt.tensors, torch.bfloat16, "cpu", consume=True)
     if mode == "int8":
-        fast.enable_int8_gemv()
-    else:
+        net.enable_int8_gemv()
+    elif mode == "default":
+        prepare_model(net, config, ckpt.metadata.get("tensor_types"))
+    return net
+
+
+@pytest.fixture(scope="module")
+def smol(smollm2_path):
+    return reference(smollm2_path)
+
+
+@pytest.mark.parametrize("mode", ["stored", "default", "int8"])
+def test_cpu_decode_close_to_fp32(smol, smollm2_path, mode):
+    ref_model, ids, ref = smol
+    fast = cpu_model(smollm2_path, mode)
+    if mode == "stored":
         assert any(isinstance(m, QuantLinear) for m in fast.modules())
-    ratio = fast.decode_weight_bytes() / ref_model.decode_weight_bytes()
-    assert ratio < MAX_BYTES_RATIO[mode], ratio
+    if mode in MAX_BYTES_RATIO:
+        ratio = fast.decode_weight_bytes() / ref_model.decode_weight_bytes()
+        assert ratio < MAX_BYTES_RATIO[mode], ratio
     got = teacher_forced_logprobs(fast, ids, torch.bfloat16)
     kl = mean_kl(ref, got)
     agree = float((ref.argmax(-1) == got.argmax(-1)).float().mean())
-    print(f"{mode}: mean KL {kl:.2e}, top-1 agreement {agree:.3f}, decode bytes {ratio:.3f} of fp32")
+    print(f"{mode}: mean KL {kl:.2e}, top-1 agreement {agree:.3f}")
     assert kl <= MAX_MEAN_KL[mode], kl
     assert agree >= MIN_TOP1_AGREEMENT[mode], agree
+
+
+@pytest.mark.slow
+def test_qwen25_coder_cpu_decode_close_to_fp32(qwen_coder_05b_path):
+    """The 0.5B GGUF (Q5_0 / Q8_0 / Q6_K / Q4_K) in its CPU packings, the engine's default for it."""
+    ref_model, ids, ref = reference(qwen_coder_05b_path)
+    del ref_model
+    got = teacher_forced_logprobs(cpu_model(qwen_coder_05b_path, "default"), ids, torch.bfloat16)
+    kl = mean_kl(ref, got)
+    print(f"qwen2.5-coder-0.5b default: mean KL {kl:.2e}")
+    assert kl <= MAX_MEAN_KL_QWEN, kl
+    assert float((ref.argmax(-1) == got.argmax(-1)).float().mean()) >= 0.95
