@@ -372,6 +372,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gen-tokens", type=int, default=64)
     p.add_argument("--no-hf", action="store_true")
     p.add_argument("--llama-cpp", action="store_true")
+    p.add_argument("--llama-server", default=None, metavar="PATH",
+                   help="also stream the same requests through llama.cpp's llama-server binary at PATH "
+                        "(GGUF models), beside --serve")
     p.add_argument("--out", default=None, help="append a markdown table here")
     p.add_argument("--shape", default=None, help="random weights of a real shape (kvtier.bench.shapes)")
     p.add_argument("--cached-tokens", type=int, default=0, help="prefix-cache TTFT: cached history length")

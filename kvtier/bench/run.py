@@ -13,6 +13,7 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
+import httpx
 import torch
 from rich.console import Console
 from rich.table import Table
@@ -255,6 +256,16 @@ def run_bench(a: argparse.Namespace, config: EngineConfig) -> int:
         _free_device_memory()
         ttft, tok_s, n = bench_serve(a, ids, a.gen_tokens)
         results.insert(1, Result("kvtier serve, streamed", len(ids), n, ttft, len(ids) / ttft, tok_s, wbytes, bw))
+    if a.llama_server and isinstance(ref, Path) and ref.suffix == ".gguf":
+        from kvtier.bench.serve import bench_llama_server
+
+        try:
+            ttft, tok_s, n = bench_llama_server(a.llama_server, str(ref), ids, a.gen_tokens,
+                                                a.threads or torch.get_num_threads())
+            results.append(Result("llama-server, streamed", len(ids), n, ttft, len(ids) / ttft, tok_s,
+                                  ref.stat().st_size, bw))
+        except (RuntimeError, OSError, httpx.HTTPError) as e:
+            console.print(f"[yellow]llama-server run failed ({e}); skipped[/]")
     _report(console, title, results, a.out)
     return 0
 

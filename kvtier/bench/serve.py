@@ -6,6 +6,8 @@ free loopback port; this process is the client. Each request sends the bench's t
 
     TTFT     request sent -> first text chunk
     decode   (completion tokens - 1) / (last chunk - first chunk)
+
+`--llama-server PATH` times llama.cpp's own server the same way, on the same GGUF and token ids.
 """
 
 from __future__ import annotations
@@ -58,18 +60,38 @@ def bench_serve(a, ids: list[int], gen: int) -> tuple[float, float, int]:
     return runs[len(runs) // 2]
 
 
-def _wait_ready(proc: subprocess.Popen, url: str) -> None:
+def bench_llama_server(binary: str, gguf: str, ids: list[int], gen: int, threads: int) -> tuple[float, float, int]:
+    """The same streamed requests against llama.cpp's own server (`llama-server` at `binary`) on the
+    same GGUF: (TTFT s, streamed decode tok/s, completion tokens), the median of SERVE_REPEATS."""
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    ctx = len(ids) + gen + 64
+    proc = subprocess.Popen([binary, "-m", gguf, "--host", "127.0.0.1", "--port", str(port), "-t", str(threads),
+                             "-c", str(ctx), "-np", "1", "--no-webui"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        _wait_ready(proc, url, "llama-server")
+        model = httpx.get(url + "/v1/models", timeout=10).json()["data"][0]["id"]
+        runs = [_stream(url, model, ids[7 * i:] + ids[:7 * i], gen) for i in range(SERVE_REPEATS + 1)][1:]
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+    runs.sort(key=lambda r: r[1])
+    return runs[len(runs) // 2]
+
+
+def _wait_ready(proc: subprocess.Popen, url: str, who: str = "kvtier serve") -> None:
     deadline = time.monotonic() + START_TIMEOUT_S
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"kvtier serve exited with {proc.returncode}: {proc.stderr.read()[-2000:]}")
+            raise RuntimeError(f"{who} exited with {proc.returncode}: {proc.stderr.read()[-2000:]}")
         try:
             if httpx.get(url + "/health", timeout=2).status_code == 200:
                 return
         except httpx.HTTPError:
             pass
         time.sleep(0.5)
-    raise RuntimeError(f"kvtier serve did not answer /health within {START_TIMEOUT_S} s")
+    raise RuntimeError(f"{who} did not answer /health within {START_TIMEOUT_S} s")
 
 
 def _stream(url: str, model: str, ids: list[int], gen: int) -> tuple[float, float, int]:
