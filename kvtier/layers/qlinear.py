@@ -47,10 +47,10 @@ INT4_OFFSET = 8  # torch's int4pack: w = (q - 8) * scale + zero
 # Weights dequantized at once for a GEMM: 16M bf16 = 32 MiB of scratch, whatever the model.
 CPU_SCRATCH_ELEMS = 16 << 20
 # Rows requantized at once when building a per-row int8 copy (bounds the fp32 temporary).
-REQUANT_ROWS = 4096
+REQUANT_ROWS = 1024
 # Smallest column scale of Int8RowsCPU (an all-zero column keeps a normal power of two).
 COL_SCALE_MIN = 2.0 ** -60
-PACK_ROWS = 64 * 64  # rows repacked to int4pack at once (a multiple of INT4PACK_BLOCK_N)
+PACK_ROWS = 16 * 64  # rows repacked to int4pack at once (a multiple of INT4PACK_BLOCK_N)
 
 
 class Scratch:

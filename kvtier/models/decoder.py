@@ -18,6 +18,8 @@ inputs (torch's CPU kernels), as llama.cpp keeps fp32 activations: `residual_dty
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator, Mapping, MutableMapping
+
 import torch
 import torch.nn.functional as F
 
@@ -30,7 +32,7 @@ from kvtier.layers.norm import RMSNorm
 from kvtier.layers.qlinear import QuantLinear, QuantRef, Scratch, make_linear
 from kvtier.layers.qweight import QuantWeight
 from kvtier.layers.rotary import RotaryEmbedding
-from kvtier.models.loading.base import release_free_memory
+from kvtier.models.loading.base import LazyTensors, release_free_memory
 from kvtier.models.registry import expected_shapes, optional_shapes
 
 # Activation/weight dtypes the decoder runs in.
@@ -52,15 +54,17 @@ def residual_dtype_for(device: torch.device, dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if device.type == "cpu" else dtype
 
 
-def check_tensors(spec: ModelSpec, tensors: dict[str, Weight]) -> None:
-    """Raise ValueError naming missing, unexpected or mis-shaped tensors."""
+def check_tensors(spec: ModelSpec, tensors: Mapping[str, Weight]) -> None:
+    """Raise ValueError naming missing, unexpected or mis-shaped tensors (a LazyTensors' shapes are
+    read from its header, nothing else)."""
     want = expected_shapes(spec)
     allowed = want | optional_shapes(spec)
+    shapes = tensors.shapes if isinstance(tensors, LazyTensors) else {n: tuple(t.shape) for n, t in tensors.items()}
     problems: list[str] = []
-    missing = [n for n in want if n not in tensors]
-    extra = [n for n in tensors if n not in allowed]
-    bad = [f"{n} has shape {tuple(tensors[n].shape)}, expected {allowed[n]}"
-           for n in tensors if n in allowed and tuple(tensors[n].shape) != allowed[n]]
+    missing = [n for n in want if n not in shapes]
+    extra = [n for n in shapes if n not in allowed]
+    bad = [f"{n} has shape {tuple(shapes[n])}, expected {allowed[n]}"
+           for n in shapes if n in allowed and tuple(shapes[n]) != allowed[n]]
     for label, names in (("missing tensors", missing), ("unexpected tensors", extra), ("bad shapes", bad)):
         if names:
             shown = ", ".join(names[:MAX_NAMES_IN_ERROR])
@@ -69,6 +73,20 @@ def check_tensors(spec: ModelSpec, tensors: dict[str, Weight]) -> None:
     if problems:
         arch = spec.name or spec.arch
         raise ValueError(f"checkpoint does not match the {arch} model spec: " + "; ".join(problems))
+
+
+class _Placing:
+    """Decoder.from_tensors(consume=True): the tensors popped one at a time, each placed on the
+    model's device and dtype as it is popped (nothing read or cast ahead of its layer)."""
+
+    def __init__(self, tensors: MutableMapping[str, Weight], place: Callable[[str, Weight], Weight]) -> None:
+        self.tensors, self.place = tensors, place
+
+    def pop(self, name: str) -> Weight:
+        return self.place(name, self.tensors.pop(name))
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(list(self.tensors))
 
 
 class DecoderLayer(torch.nn.Module):
@@ -187,18 +205,19 @@ class Decoder(torch.nn.Module):
         if dtype not in COMPUTE_DTYPES:
             raise ValueError(f"decoder dtype must be one of {COMPUTE_DTYPES}, got {dtype}")
         check_tensors(spec, tensors)
-        bad = [n for n, t in tensors.items() if isinstance(t, torch.Tensor) and not t.is_floating_point()]
-        if bad:
-            raise ValueError(f"tensor {bad[0]} is {tensors[bad[0]].dtype}; the loader must dequantise to float "
-                             f"or give a QuantWeight")
 
-        def place(t: Weight) -> Weight:
-            return t.to(device) if isinstance(t, QuantWeight) else t.to(device=device, dtype=dtype)
+        def place(name: str, t: Weight) -> Weight:
+            if isinstance(t, QuantWeight):
+                return t.to(device)
+            if not t.is_floating_point():
+                raise ValueError(f"tensor {name} is {t.dtype}; the loader must dequantise to float or give a "
+                                 f"QuantWeight")
+            return t.to(device=device, dtype=dtype)
 
-        if consume:
-            cast = {n: place(tensors.pop(n)) for n in list(tensors)}
+        if consume:  # each tensor read (a LazyTensors), placed and handed over when the build pops it
+            cast = _Placing(tensors, place)
         else:
-            cast = {n: place(t) for n, t in tensors.items()}
+            cast = {n: place(n, t) for n, t in tensors.items()}
         with torch.device(device):
             return cls(spec, cast, dtype, device)
 

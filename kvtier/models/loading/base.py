@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+from collections.abc import Callable, Iterator, MutableMapping
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -37,11 +39,12 @@ class Checkpoint:
     `tensors` are named exactly as Hugging Face names them (model.embed_tokens.weight,
     model.layers.{i}.self_attn.q_proj.weight, ...; lm_head.weight absent when tied) and are
     laid out as in HF: Linear weights are [out_features, in_features]. A weight is a dense
-    tensor or, loaded with weights "stored" / "int8" / "int4", a QuantWeight.
+    tensor or, loaded with weights "stored" / "int8" / "int4", a QuantWeight. A GGUF's tensors
+    are a LazyTensors: each is read when first asked for.
     """
 
     spec: ModelSpec
-    tensors: dict[str, torch.Tensor | QuantWeight]
+    tensors: MutableMapping[str, torch.Tensor | QuantWeight]
     path: Path
     format: str  # "gguf" | "safetensors"
     metadata: dict[str, Any] = field(default_factory=dict)
@@ -95,3 +98,96 @@ def release_free_memory() -> None:
             libc.malloc_trim(0)
     except OSError:
         pass
+
+
+# File bytes read ahead of the tensor being asked for (LazyTensors): enough to keep the loader's
+# threads busy while the model packs the previous layer, small next to any model (a few layers of
+# Qwen2.5-Coder-0.5B, one of 1.5B), since what is read ahead is held on top of the packed model.
+PREFETCH_BYTES = 16 << 20
+
+
+class LazyTensors(MutableMapping):
+    """A checkpoint's tensors read when asked for, so a consumer that pops them one at a time
+    (Decoder.from_tensors(consume=True)) holds one model plus a few tensors, not two models.
+
+    `shapes` and `nbytes` (file bytes) are known from the header without reading. `load(name)`
+    runs on a thread pool of `threads`, always (never the asking thread, whose torch device
+    context must not reach the loader); the tensors that follow the asked one in key order are
+    read ahead, up to PREFETCH_BYTES. A read tensor is cached until popped or deleted; set
+    items are kept as given. Once every name has been read, `load` and the pool are let go (the
+    GGUF loader's mmap goes with them).
+    """
+
+    def __init__(self, shapes: dict[str, tuple[int, ...]], nbytes: dict[str, int],
+                 load: Callable[[str], Any], threads: int) -> None:
+        self.shapes = dict(shapes)
+        self._nbytes = nbytes
+        self._load: Callable[[str], Any] | None = load
+        self._pool: ThreadPoolExecutor | None = ThreadPoolExecutor(max_workers=threads)
+        self._order = list(shapes)  # read-ahead order
+        self._pending: dict[str, Future] = {}
+        self._done: dict[str, Any] = {}
+        self._unread = set(shapes)
+
+    def __getitem__(self, name: str) -> Any:
+        if name in self._done:
+            return self._done[name]
+        if name not in self._unread:
+            raise KeyError(name)
+        if name not in self._pending:
+            self._submit(name)
+        self._read_ahead(name)
+        value = self._pending.pop(name).result()
+        self._unread.discard(name)
+        self._done[name] = value
+        if not self._unread:
+            self._release()
+        return value
+
+    def __setitem__(self, name: str, value: Any) -> None:
+        self._forget(name)
+        self._done[name] = value
+        self.shapes[name] = tuple(value.shape)
+
+    def __delitem__(self, name: str) -> None:
+        if name not in self._done and name not in self._unread:
+            raise KeyError(name)
+        self._done.pop(name, None)
+        self._forget(name)
+        self.shapes.pop(name, None)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(list(self.shapes))
+
+    def __len__(self) -> int:
+        return len(self.shapes)
+
+    def _forget(self, name: str) -> None:
+        """Drop an unread name (its pending read, if any, is waited for and discarded)."""
+        if name in self._unread:
+            future = self._pending.pop(name, None)
+            if future is not None:
+                future.result()
+            self._unread.discard(name)
+            if not self._unread:
+                self._release()
+
+    def _submit(self, name: str) -> None:
+        self._pending[name] = self._pool.submit(self._load, name)
+
+    def _read_ahead(self, name: str) -> None:
+        """Submit the unread names after `name` in key order, up to PREFETCH_BYTES of file data."""
+        ahead = sum(self._nbytes[n] for n in self._pending if n != name)
+        i = self._order.index(name) + 1 if name in self._order else len(self._order)
+        while i < len(self._order) and ahead < PREFETCH_BYTES:
+            n = self._order[i]
+            if n in self._unread and n not in self._pending:
+                self._submit(n)
+                ahead += self._nbytes[n]
+            i += 1
+
+    def _release(self) -> None:
+        self._load = None
+        if self._pool is not None:
+            self._pool.shutdown(wait=False)
+            self._pool = None

@@ -2,7 +2,8 @@
 
 The header is parsed here with bounds checks on every read (gguf.GGUFReader builds a numpy
 field per vocabulary string, ~5 s on a 49K vocab, and fails with bare numpy errors on damaged
-files). Tensor bytes are memory-mapped and read one tensor at a time: `weights="stored"` repacks
+files). Tensor bytes are memory-mapped and read one tensor at a time, when the consumer asks for it
+(base.LazyTensors): `weights="stored"` repacks
 quantized blocks into QuantWeight (repack.py) without losing what the file holds, "dense"
 dequantizes with `gguf.quants.dequantize` (the fp32 reference), "int8" / "int4" dequantize and
 re-round each matmul weight (quantize_rtn). Each tensor's mapped pages are dropped once it is
@@ -21,7 +22,6 @@ import dataclasses
 import mmap
 import os
 import struct
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -33,8 +33,8 @@ from gguf import quants as gguf_quants
 
 from kvtier.config import ModelSpec
 from kvtier.layers.qweight import QuantWeight
-from kvtier.models.loading.base import (LOAD_WEIGHTS, Checkpoint, ModelFileError, check_tensor_shapes,
-                                        quantize_at_load, release_free_memory)
+from kvtier.models.loading.base import (LOAD_WEIGHTS, Checkpoint, LazyTensors, ModelFileError,
+                                        check_tensor_shapes, quantize_at_load)
 from kvtier.models.loading.dequant import dequantize_q5
 from kvtier.models.loading.repack import DENSE_TYPES, REPACKS, dense_from_bytes, permute_rows, repack
 from kvtier.models.registry import (ARCHS, GGUF_IGNORED_TENSORS, SUPPORTED_ARCHS, arch_info,
@@ -343,6 +343,8 @@ def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32, weights: str
         by_hf[hf] = t
     check_tensor_shapes(path, {k: t.torch_shape for k, t in by_hf.items()}, expected_shapes(spec),
                         optional_shapes(spec))
+    for t in by_hf.values():  # refused now, not when the tensor is first read
+        _check_supported(t, path)
     mapped = _Mapped(path)
     data = mapped.data
     permuted = arch_info(spec.arch).gguf_permuted_qk
@@ -355,8 +357,8 @@ def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32, weights: str
         spec = dataclasses.replace(spec, rope_scaling={"rope_type": "freq_factors",
                                                        "freq_factors": factors.tolist()})
 
-    def one(item: tuple[str, GGUFTensorInfo]) -> torch.Tensor | QuantWeight:
-        hf, t = item
+    def one(hf: str) -> torch.Tensor | QuantWeight:
+        t = by_hf[hf]
         if weights == "stored":
             w = read_stored(data, t, path)
         else:
@@ -371,11 +373,10 @@ def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32, weights: str
             return w
         return quantize_at_load(hf, w, weights, dtype)
 
-    # numpy releases the GIL in its kernels, so tensors are read in parallel threads.
-    with ThreadPoolExecutor(max_workers=LOAD_THREADS) as pool:
-        tensors = dict(zip(by_hf, pool.map(one, by_hf.items())))
-    data = mapped = None  # unmap the file (the closure above holds these cells)
-    release_free_memory()
+    # read when asked for, ahead on LOAD_THREADS threads (numpy releases the GIL in its kernels);
+    # the file stays mapped until every tensor has been read
+    tensors = LazyTensors({hf: t.torch_shape for hf, t in by_hf.items()},
+                          {hf: t.nbytes for hf, t in by_hf.items()}, one, LOAD_THREADS)
     return Checkpoint(spec=spec, tensors=tensors, path=path, format="gguf",
                       metadata=_summary_metadata(header, by_hf, unmapped))
 
