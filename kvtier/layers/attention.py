@@ -392,6 +392,8 @@ def attend_partial(q: torch.Tensor, kp: torch.Tensor, vp: torch.Tensor, ctx: int
     without, every row sees every key. -> (out [n_new, Hq, D], lse [n_new, Hq])
     """
     hq, hkv, d = q.shape[1], kp.shape[1], kp.shape[3]
+    if not q.is_cuda:
+        return _attend_partial_cpu(q, kp, vp, ctx, n_new, scale, causal)
     kk = kp.permute(1, 0, 2, 3).reshape(hkv, -1, d)[:, :ctx].float()  # [Hkv, ctx, D]
     vv = vp.permute(1, 0, 2, 3).reshape(hkv, -1, d)[:, :ctx].float()
     if hq != hkv:  # grouped-query attention: query head h reads kv head h // (hq / hkv)
@@ -405,6 +407,26 @@ def attend_partial(q: torch.Tensor, kp: torch.Tensor, vp: torch.Tensor, ctx: int
     lse = torch.logsumexp(s, dim=-1)  # [Hq, n_new]
     o = torch.softmax(s, dim=-1) @ vv  # [Hq, n_new, D]
     return o.transpose(0, 1), lse.transpose(0, 1)
+
+
+def _attend_partial_cpu(q: torch.Tensor, kp: torch.Tensor, vp: torch.Tensor, ctx: int, n_new: int,
+                        scale: float, causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """attend_partial through torch's CPU flash kernel, which returns the log-sum-exp too: no
+    [Hq, n_new, ctx] score tensor (a 512-row chunk over 6K keys and 9 heads: 110 MB of fp32 per
+    layer before). Inputs in fp32, as the reference path computes."""
+    hq, hkv, d = q.shape[1], kp.shape[1], kp.shape[3]
+    kk = kp.permute(1, 0, 2, 3).reshape(hkv, -1, d)[:, :ctx].float()
+    vv = vp.permute(1, 0, 2, 3).reshape(hkv, -1, d)[:, :ctx].float()
+    if hq != hkv:
+        kk = kk.repeat_interleave(hq // hkv, dim=0)
+        vv = vv.repeat_interleave(hq // hkv, dim=0)
+    mask = None
+    if causal:
+        rows = torch.arange(ctx - n_new, ctx)[:, None]  # additive, in q's dtype (the kernel's rule)
+        mask = torch.zeros(n_new, ctx).masked_fill_(torch.arange(ctx)[None, :] > rows, float("-inf"))
+    o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        q.transpose(0, 1).float()[None], kk[None], vv[None], 0.0, False, attn_mask=mask, scale=scale)
+    return o[0].transpose(0, 1), lse[0].transpose(0, 1)
 
 
 def merge_partials(acc: tuple[torch.Tensor, torch.Tensor] | None,
