@@ -284,7 +284,7 @@ class Decoder(torch.nn.Module):
             h = layer(i, h, cos, sin, meta, backend)
         h = self.norm(h.index_select(0, meta.logits_indices))  # [N, H] in the residual dtype
         logits = self.head(h.to(self.dtype)).float()  # [N, V]
-        if self.residual_dtype != self.dtype:
+        if self.residual_dtype != self.dtype and logits.shape[0]:  # (prefill chunks sample no row)
             self._refine_top(logits, h)
         return logits
 
