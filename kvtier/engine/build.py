@@ -92,8 +92,6 @@ def build_engine(model: str, config: EngineConfig | None = None, show_progress: 
     from kvtier.models.tokenizer import Tokenizer
 
     config = resolve_device(config or EngineConfig())
-    if config.device == "cpu":  # before the first parallel op: worker threads inherit the mode
-        torch.set_flush_denormal(True)
     if config.threads:
         torch.set_num_threads(config.threads)
     path = resolve_model(model)

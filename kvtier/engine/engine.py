@@ -70,12 +70,6 @@ class Engine:
         self.model_name = model_name
         spec = model.spec
         self.device = next(model.parameters()).device
-        if self.device.type == "cpu":
-            # Denormal floats (softmax weights of far-off keys and their products) cost x86 a
-            # microcode assist per operation. The mode is per thread: threads started later
-            # inherit it, so engine/build.py sets it before loading; this covers this thread for
-            # engines built otherwise. Values under 1.2e-38 change nothing a logit shows.
-            torch.set_flush_denormal(True)
         self.max_model_len = max_model_len or config.max_model_len or spec.max_position_embeddings
         cc = config.cache
         compute = next(model.parameters()).dtype
