@@ -41,7 +41,8 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kvmem-sink", type=int, default=DEFAULT_SINK, help="first tokens always attended")
     p.add_argument("--kvmem-window", type=int, default=DEFAULT_WINDOW, help="last tokens always attended")
     p.add_argument("--kvmem-selector", default="quest", choices=SELECTORS,
-                   help="page scores: quest (per-channel min/max bound) | quest-max | meankey (baseline)")
+                   help="page scores: quest (per-channel min/max bound) | quest-max | meankey (baseline) | "
+                        "centroid (per kv head mean key) | hybrid (half quest, half centroid)")
     p.add_argument("--cuda-graphs", default="auto", choices=("auto", "on", "off"),
                    help="capture decode steps as CUDA graphs (auto: on CUDA with the triton backend)")
     p.add_argument("--page-size", type=int, default=DEFAULT_PAGE_SIZE)

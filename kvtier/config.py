@@ -38,7 +38,7 @@ def default_cache_dir() -> Path:
 
 
 # Retrieval attention (layers/retrieval.py): what a decode row past the budget attends to.
-SELECTORS = ("quest", "quest-max", "meankey")
+SELECTORS = ("quest", "quest-max", "meankey", "centroid", "hybrid")
 # Sink tokens: StreamingLLM keeps the first 4 tokens (the attention sinks); rounded up to pages,
 # that is one page at any page size, the least that keeps position 0 in every selection.
 DEFAULT_SINK = 4

@@ -34,6 +34,8 @@ Selectors (score of a candidate page for a query row; q grouped [Hkv, g, D]):
     quest-max  max over the group of the same bound (a page any one query head needs)
     meankey    the seeds' baseline: page mean key . group-mean q, summed over kv heads: ONE page
                list per layer shared by all kv heads
+    centroid   per kv head: the page's mean key . the group's summed q
+    hybrid     half of the top-k by `quest`, the rest by `centroid` among the pages left
 
 Shapes stay what a Triton version will take: the selection is [R, Hkv, n_sel] page indices / page
 ids / validity for the R selected rows; no Python loop over heads or layers. This reference reads
@@ -240,10 +242,18 @@ class RetrievalAttention:
         pages first (sink page 0 at column 0), then the top-k candidates per kv head."""
         r, hkv = q.shape[0], self.store.kv_heads
         qg = q.float().view(r, hkv, -1, q.shape[-1])  # [R, Hkv, g, D]
-        scores = page_scores(self.config.selector, qg, self.summaries, layer, sel.cand_ids,
-                             self.host_summaries)  # [R, Hkv, C]
-        scores = scores.masked_fill(sel.cand_idx[:, None, :] < 0, float("-inf"))
-        top = scores.topk(sel.k, dim=-1).indices  # [R, Hkv, K]
+        pad = sel.cand_idx[:, None, :] < 0
+        if self.config.selector == "hybrid":  # half the picks by the Quest bound, the rest by centroid
+            k1 = sel.k // 2
+            s1 = page_scores("quest", qg, self.summaries, layer, sel.cand_ids, self.host_summaries)
+            top1 = s1.masked_fill(pad, float("-inf")).topk(k1, dim=-1).indices
+            s2 = page_scores("centroid", qg, self.summaries, layer, sel.cand_ids, self.host_summaries)
+            s2 = s2.masked_fill(pad, float("-inf")).scatter(-1, top1, float("-inf"))
+            top = torch.cat([top1, s2.topk(sel.k - k1, dim=-1).indices], dim=-1)  # [R, Hkv, K]
+        else:
+            scores = page_scores(self.config.selector, qg, self.summaries, layer, sel.cand_ids,
+                                 self.host_summaries)  # [R, Hkv, C]
+            top = scores.masked_fill(pad, float("-inf")).topk(sel.k, dim=-1).indices  # [R, Hkv, K]
         c = sel.cand_idx.shape[1]
         top_idx = sel.cand_idx[:, None, :].expand(r, hkv, c).gather(-1, top)
         top_ids = sel.cand_ids[:, None, :].expand(r, hkv, c).gather(-1, top)
@@ -480,10 +490,15 @@ def page_scores(selector: str, qg: torch.Tensor, summaries: PageSummaries, layer
     r, hkv = qg.shape[:2]
     rows = lambda name: summary_rows(summaries, host, name, layer, cand_ids)  # noqa: E731
     count = rows("count")  # [R, C]
-    if selector == "meankey":
+    if selector in ("meankey", "centroid"):
         mean = rows("ksum") / count.clamp_min(1).float()[..., None, None]  # [R, C, Hkv, D]
-        s = torch.einsum("rhd,rchd->rc", qg.mean(2), mean)  # one list for all kv heads
-        s = s[:, None, :].expand(r, hkv, -1)
+        if selector == "meankey":
+            s = torch.einsum("rhd,rchd->rc", qg.mean(2), mean)  # one list for all kv heads
+            s = s[:, None, :].expand(r, hkv, -1)
+        else:  # per kv head: the group's summed q . the page's mean key
+            s = torch.einsum("rhgd,rchd->rhc", qg, mean)
+    elif selector not in ("quest", "quest-max"):
+        raise ValueError(f"page_scores: unknown selector {selector!r}")
     else:
         kmin, kmax = rows("kmin"), rows("kmax")  # [R, C, Hkv, D]
         # max(q_d min_d, q_d max_d) = max(q_d, 0) max_d + min(q_d, 0) min_d
