@@ -45,33 +45,27 @@ def serve_args(a) -> list[str]:
 def bench_serve(a, ids: list[int], gen: int) -> tuple[float, float, int]:
     """(TTFT s, streamed decode tok/s, completion tokens): the median of SERVE_REPEATS requests."""
     port = _free_port()
-    url = f"http://127.0.0.1:{port}"
-    proc = subprocess.Popen([sys.executable, "-m", "kvtier", "serve", "--port", str(port), *serve_args(a)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    try:
-        _wait_ready(proc, url)
-        model = httpx.get(url + "/v1/models", timeout=10).json()["data"][0]["id"]
-        # each request rotated so no prefix-cache hit shortens its TTFT
-        runs = [_stream(url, model, ids[7 * i:] + ids[:7 * i], gen) for i in range(SERVE_REPEATS + 1)][1:]
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
-    runs.sort(key=lambda r: r[1])
-    return runs[len(runs) // 2]
+    cmd = [sys.executable, "-m", "kvtier", "serve", "--port", str(port), *serve_args(a)]
+    return _time_server(cmd, port, "kvtier serve", ids, gen)
 
 
 def bench_llama_server(binary: str, gguf: str, ids: list[int], gen: int, threads: int) -> tuple[float, float, int]:
     """The same streamed requests against llama.cpp's own server (`llama-server` at `binary`) on the
     same GGUF: (TTFT s, streamed decode tok/s, completion tokens), the median of SERVE_REPEATS."""
     port = _free_port()
+    cmd = [binary, "-m", gguf, "--host", "127.0.0.1", "--port", str(port), "-t", str(threads),
+           "-c", str(len(ids) + gen + 64), "-np", "1", "--no-webui"]
+    return _time_server(cmd, port, "llama-server", ids, gen)
+
+
+def _time_server(cmd: list[str], port: int, who: str, ids: list[int], gen: int) -> tuple[float, float, int]:
+    """Start a server child, stream SERVE_REPEATS + 1 requests (the first warms up), stop it."""
     url = f"http://127.0.0.1:{port}"
-    ctx = len(ids) + gen + 64
-    proc = subprocess.Popen([binary, "-m", gguf, "--host", "127.0.0.1", "--port", str(port), "-t", str(threads),
-                             "-c", str(ctx), "-np", "1", "--no-webui"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
-        _wait_ready(proc, url, "llama-server")
+        _wait_ready(proc, url, who)
         model = httpx.get(url + "/v1/models", timeout=10).json()["data"][0]["id"]
+        # each request rotated so no prefix-cache hit shortens its TTFT
         runs = [_stream(url, model, ids[7 * i:] + ids[:7 * i], gen) for i in range(SERVE_REPEATS + 1)][1:]
     finally:
         proc.terminate()

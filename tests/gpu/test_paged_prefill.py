@@ -87,18 +87,7 @@ def test_swept_blocks_match_reference_cuda(blocks: tuple[int, int, int, int]) ->
 
 
 def _random_pages(name: str, num_pages: int) -> dict[str, torch.Tensor]:
-    """One layer of `name` pages filled with random codes / values (timing only)."""
-    st = make_format(name).allocate(num_pages, T_KV_HEADS, PS, T_D, torch.device("cuda"))
-    for key, t in st.items():
-        if key.endswith("_scale"):
-            t.uniform_(0.01, 0.02)
-        elif t.dtype == torch.int8:
-            t.random_(-127, 128)
-        elif t.dtype == torch.uint8:
-            t.random_(0, 256)
-        else:
-            t.normal_()
-    return st
+    return base.random_pages(name, num_pages, T_KV_HEADS, PS, T_D)
 
 
 def _median_ms(fn: Callable[[], object]) -> float:

@@ -15,7 +15,6 @@
 from __future__ import annotations
 
 import importlib.util
-import statistics
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -160,32 +159,11 @@ def test_quest_scores_match_reference_and_page_scores(with_host: bool) -> None:
 
 
 def _median_us(fn: Callable[[], object], warmup: int, repeats: int) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3)
-    return statistics.median(times)
+    return cases.median_us(fn, warmup, repeats)
 
 
 def _random_pages(name: str, num_pages: int) -> dict[str, torch.Tensor]:
-    """One layer of `name` pages filled with random codes / values (timing only)."""
-    st = make_format(name).allocate(num_pages, BW_KV_HEADS, PS, BW_D, torch.device("cuda"))
-    for key, t in st.items():
-        if key.endswith("_scale"):
-            t.uniform_(0.01, 0.02)
-        elif t.dtype == torch.int8:
-            t.random_(-127, 128)
-        elif t.dtype == torch.uint8:
-            t.random_(0, 256)
-        else:
-            t.normal_()
-    return st
+    return cases.random_pages(name, num_pages, BW_KV_HEADS, PS, BW_D)
 
 
 def test_print_bandwidth() -> None:

@@ -13,6 +13,8 @@ on some sequences' first pages.
 from __future__ import annotations
 
 import math
+import statistics
+from collections.abc import Callable
 from dataclasses import dataclass
 from types import ModuleType
 
@@ -318,3 +320,34 @@ def retrieval_step(name: str, kv_heads: int, gqa: int, page_size: int, head_dim:
     idx, valid = att.last_selection[0]  # [R, Hkv, n_sel]
     ids = chosen.table.gather(1, idx.flatten(1)).view_as(idx)
     return RetrievalStep(pool, q[chosen.rows], out[chosen.rows], Selection(ids, idx, valid), chosen.ctx, scale)
+
+
+def random_pages(name: str, num_pages: int, kv_heads: int, page_size: int, head_dim: int,
+                 device: str = "cuda") -> dict[str, torch.Tensor]:
+    """One layer of `name` pages filled with random codes / values (timing only)."""
+    st = make_format(name).allocate(num_pages, kv_heads, page_size, head_dim, torch.device(device))
+    for key, t in st.items():
+        if key.endswith("_scale"):
+            t.uniform_(0.01, 0.02)
+        elif t.dtype == torch.int8:
+            t.random_(-127, 128)
+        elif t.dtype == torch.uint8:
+            t.random_(0, 256)
+        else:
+            t.normal_()
+    return st
+
+
+def median_us(fn: Callable[[], object], warmup: int, repeats: int) -> float:
+    """Median CUDA-event time of fn() in microseconds, after `warmup` calls."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3)
+    return statistics.median(times)
