@@ -63,18 +63,17 @@ class Transfers:
 
     phases: (to_host, [(src, dst), ...]) batches to run in this order; host_to_gpu /
     gpu_to_host: every copy of each direction (for counting; their relative order is
-    in `phases` only)."""
+    in `phases` only). While the manager queues, phases holds one copy each, in order
+    (`CacheManager.take_transfers` batches them and fills the two lists)."""
 
     host_to_gpu: list[tuple[int, int]] = field(default_factory=list)  # (host id, gpu id)
     gpu_to_host: list[tuple[int, int]] = field(default_factory=list)  # (gpu id, host id)
     phases: list[tuple[bool, list[tuple[int, int]]]] = field(default_factory=list)
 
     def __bool__(self) -> bool:
-        return bool(self.host_to_gpu or self.gpu_to_host)
+        return bool(self.phases)
 
     def queue(self, to_host: bool, src: int, dst: int) -> None:
-        """Append one copy (phases are made from the queue by `CacheManager.take_transfers`)."""
-        (self.gpu_to_host if to_host else self.host_to_gpu).append((src, dst))
         self.phases.append((to_host, [(src, dst)]))
 
 
