@@ -392,41 +392,29 @@ def attend_partial(q: torch.Tensor, kp: torch.Tensor, vp: torch.Tensor, ctx: int
     without, every row sees every key. -> (out [n_new, Hq, D], lse [n_new, Hq])
     """
     hq, hkv, d = q.shape[1], kp.shape[1], kp.shape[3]
-    if not q.is_cuda:
-        return _attend_partial_cpu(q, kp, vp, ctx, n_new, scale, causal)
     kk = kp.permute(1, 0, 2, 3).reshape(hkv, -1, d)[:, :ctx].float()  # [Hkv, ctx, D]
     vv = vp.permute(1, 0, 2, 3).reshape(hkv, -1, d)[:, :ctx].float()
     if hq != hkv:  # grouped-query attention: query head h reads kv head h // (hq / hkv)
         kk = kk.repeat_interleave(hq // hkv, dim=0)
         vv = vv.repeat_interleave(hq // hkv, dim=0)
-    s = (q.transpose(0, 1).float() @ kk.transpose(1, 2)) * scale  # [Hq, n_new, ctx]
-    if causal:
-        rows = torch.arange(ctx - n_new, ctx, device=q.device)[:, None]
-        cols = torch.arange(ctx, device=q.device)[None, :]
-        s = s.masked_fill(cols > rows, float("-inf"))
+    qq = q.transpose(0, 1).float()  # [Hq, n_new, D]
+    hidden = None  # [n_new, ctx] True where a row may not see a key
+    if causal:  # row i (position ctx - n_new + i in the block) sees keys <= that position
+        hidden = torch.arange(ctx, device=q.device)[None, :] > torch.arange(ctx - n_new, ctx, device=q.device)[:, None]
+    if not q.is_cuda:
+        # torch's CPU flash kernel returns the log-sum-exp too: no [Hq, n_new, ctx] score tensor
+        # (a 512-row chunk over 6K keys and 9 heads: 110 MB of fp32 per layer otherwise); its
+        # mask is additive, in q's dtype
+        mask = None if hidden is None else torch.zeros(hidden.shape).masked_fill_(hidden, float("-inf"))
+        o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            qq[None], kk[None], vv[None], 0.0, False, attn_mask=mask, scale=scale)
+        return o[0].transpose(0, 1), lse[0].transpose(0, 1)
+    s = (qq @ kk.transpose(1, 2)) * scale  # [Hq, n_new, ctx]
+    if hidden is not None:
+        s = s.masked_fill(hidden, float("-inf"))
     lse = torch.logsumexp(s, dim=-1)  # [Hq, n_new]
     o = torch.softmax(s, dim=-1) @ vv  # [Hq, n_new, D]
     return o.transpose(0, 1), lse.transpose(0, 1)
-
-
-def _attend_partial_cpu(q: torch.Tensor, kp: torch.Tensor, vp: torch.Tensor, ctx: int, n_new: int,
-                        scale: float, causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """attend_partial through torch's CPU flash kernel, which returns the log-sum-exp too: no
-    [Hq, n_new, ctx] score tensor (a 512-row chunk over 6K keys and 9 heads: 110 MB of fp32 per
-    layer before). Inputs in fp32, as the reference path computes."""
-    hq, hkv, d = q.shape[1], kp.shape[1], kp.shape[3]
-    kk = kp.permute(1, 0, 2, 3).reshape(hkv, -1, d)[:, :ctx].float()
-    vv = vp.permute(1, 0, 2, 3).reshape(hkv, -1, d)[:, :ctx].float()
-    if hq != hkv:
-        kk = kk.repeat_interleave(hq // hkv, dim=0)
-        vv = vv.repeat_interleave(hq // hkv, dim=0)
-    mask = None
-    if causal:
-        rows = torch.arange(ctx - n_new, ctx)[:, None]  # additive, in q's dtype (the kernel's rule)
-        mask = torch.zeros(n_new, ctx).masked_fill_(torch.arange(ctx)[None, :] > rows, float("-inf"))
-    o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-        q.transpose(0, 1).float()[None], kk[None], vv[None], 0.0, False, attn_mask=mask, scale=scale)
-    return o[0].transpose(0, 1), lse[0].transpose(0, 1)
 
 
 def merge_partials(acc: tuple[torch.Tensor, torch.Tensor] | None,
