@@ -167,6 +167,11 @@ class PagePool:
                 return got
         return self.fmt.load_codes(st, rows, dtype)
 
+    def kernel_sink(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """(sink_k, sink_v, sink_slot) of one layer, as the paged kernels take them; None for
+        formats without sink rows."""
+        return (self.sink_k[layer], self.sink_v[layer], self.sink_slot) if self.sink_slots else None
+
     def assign_sinks(self, pages: Sequence[int]) -> torch.Tensor | None:
         """Sink slots for pages whose row 0 is about to be written at sequence position 0.
 

@@ -142,7 +142,7 @@ class TritonPagedAttention:
         store = self.store
         # decode rows are never at position 0: sink rows come only with prefill chunks
         store.write(layer, meta.slot_mapping, k, v, sink=plan.sink)
-        sink = (store.sink_k[layer], store.sink_v[layer], store.sink_slot) if store.sink_slots else None
+        sink = store.kernel_sink(layer)
         fmt = store.fmt
         if not plan.prefill and self.native and fold_native_supported(q.shape[-1]):
             # decode: native_q / native_out folded into the kernels (two launches fewer a layer)

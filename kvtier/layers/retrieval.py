@@ -294,7 +294,7 @@ class RetrievalAttention:
         from kvtier.kernels.retrieval_attention import paged_decode_selected, selected_num_splits
         store, fmt = self.store, self.store.fmt
         r, hkv, n_sel = idx.shape
-        sink = (store.sink_k[layer], store.sink_v[layer], store.sink_slot) if store.sink_slots else None
+        sink = store.kernel_sink(layer)
         splits = selected_num_splits(r, hkv, n_sel, store.page_size, self.num_sms)
         page_idx = torch.where(valid, idx, torch.full_like(idx, -1))
         native = None
