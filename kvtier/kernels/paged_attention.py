@@ -96,6 +96,9 @@ MIN_SPLIT_TOKENS = 128
 # Upper bound on the heuristic's splits (B = 1, few kv heads, very long contexts).
 MAX_SPLITS = 64
 
+# The kernels' alternate-source offsets (AltPages): never specialised on value.
+ALT_ARGS = ("ad_k", "ad_ks", "ad_v", "ad_vs", "ad_sk", "ad_sv", "ad_slot")
+
 if HAVE_TRITON:
     # Decode path of one codec (a tl.constexpr: each codec pair compiles its own kernel).
     MODE_PLAIN = tl.constexpr(0)  # stored values, any float dtype
@@ -110,13 +113,15 @@ if HAVE_TRITON:
     LOW_BYTES = tl.constexpr(0x00FF00FF)
     FP16_1024X2 = tl.constexpr(0x64006400)  # two fp16 1024.0
     LOW_NIBBLES = tl.constexpr(0x000F000F)
+    NO_PAGE = tl.constexpr(-(1 << 62))  # below every page id, alternate (negative) ones included
 
     @triton.jit
-    def _tile(data_ptr, scale_ptr, row, valid, MODE: tl.constexpr, D: tl.constexpr, GROUP: tl.constexpr,
+    def _tile(data_ptr, scale_ptr, row, srow, valid, MODE: tl.constexpr, D: tl.constexpr, GROUP: tl.constexpr,
               BLOCK_N: tl.constexpr, BIAS: tl.constexpr, HALF: tl.constexpr = False):
         """Rows of one layer's K or V pages -> (tile [BLOCK_N, D], row scale [BLOCK_N] fp32).
 
-        row: [BLOCK_N] int64 row index (page * Hkv + head) * S + offset; valid: [BLOCK_N].
+        row / srow: [BLOCK_N] int64 row index (page * Hkv + head) * S + offset into the data /
+        scale tensor (they differ only for alternate-source pages, see AltPages); valid: [BLOCK_N].
         int8 / fp8 come back as codes (exact in fp32 and in bf16/fp16) with their per-row
         scale, which the caller applies to the [G, BLOCK_N] scores or probabilities instead
         of the [BLOCK_N, D] tile (D times fewer multiplies). Plain tiles come back as stored,
@@ -140,17 +145,18 @@ if HAVE_TRITON:
             even = tl.join(tl.join(a0[0], a0[1]), tl.join(a2[0], a2[1]))  # c = 0
             odd = tl.join(tl.join(a1[0], a1[1]), tl.join(a3[0], a3[1]))  # c = 1
             codes = tl.reshape(tl.join(even, odd), (BLOCK_N, NG, GROUP))
-            sc = tl.load(scale_ptr + row[:, None] * NG + tl.arange(0, NG)[None, :], mask=valid[:, None],
+            sc = tl.load(scale_ptr + srow[:, None] * NG + tl.arange(0, NG)[None, :], mask=valid[:, None],
                          other=0.0)  # [BLOCK_N, NG] fp16
             tile = tl.reshape(codes * sc[:, :, None], (BLOCK_N, D))
         elif MODE == MODE_INT4:
             NG: tl.constexpr = D // GROUP  # scales per row
             HG: tl.constexpr = GROUP // 2  # bytes per group
             r3 = row[:, None, None]
+            s3 = srow[:, None, None]
             m3 = valid[:, None, None]
             byte = r3 * (D // 2) + tl.arange(0, NG)[None, :, None] * HG + tl.arange(0, HG)[None, None, :]
             b = tl.load(data_ptr + byte, mask=m3, other=0).to(tl.int32)  # [BLOCK_N, NG, HG]
-            sc = tl.load(scale_ptr + r3 * NG + tl.arange(0, NG)[None, :, None], mask=m3,
+            sc = tl.load(scale_ptr + s3 * NG + tl.arange(0, NG)[None, :, None], mask=m3,
                          other=0.0).to(tl.float32)  # [BLOCK_N, NG, 1]
             lo = ((b & 0xF) - BIAS).to(tl.float32) * sc  # value 2i
             hi = ((b >> 4) - BIAS).to(tl.float32) * sc  # value 2i + 1
@@ -173,7 +179,7 @@ if HAVE_TRITON:
             b3 = (hi >> 16).to(tl.int16).to(tl.float16, bitcast=True) - 1152.0
             # tl.join adds a last (fastest) axis: the outer join picks the low bit of the index
             tile = tl.reshape(tl.join(tl.join(b0, b2), tl.join(b1, b3)), (BLOCK_N, D))
-            rs = tl.load(scale_ptr + row, mask=valid, other=0.0).to(tl.float32)
+            rs = tl.load(scale_ptr + srow, mask=valid, other=0.0).to(tl.float32)
         else:
             x = tl.load(data_ptr + row[:, None] * D + tl.arange(0, D)[None, :], mask=valid[:, None], other=0)
             if MODE == MODE_PLAIN:
@@ -185,7 +191,7 @@ if HAVE_TRITON:
                     tile = x.to(tl.float8e4nv, bitcast=True).to(tl.float16)
                 else:
                     tile = x.to(tl.float16)
-                rs = tl.load(scale_ptr + row, mask=valid, other=0.0).to(tl.float32)
+                rs = tl.load(scale_ptr + srow, mask=valid, other=0.0).to(tl.float32)
         return tile, rs
 
     @triton.jit
@@ -234,32 +240,70 @@ if HAVE_TRITON:
         return tl.where(use, s0, m_i), tl.where(use, 1.0, l_i), tl.where(use, acc + sv[None, :], acc)
 
     @triton.jit
-    def _selected_sink_slot(bt_ptr, idx_ptr, ok_ptr, slot_ptr, e0, p_lo, p_hi, BLOCK: tl.constexpr,
-                            SEL_VALID: tl.constexpr):
-        """Sink slot of the page-index-0 entry among entries p_lo .. p_hi-1 of the list at e0
-        (-1: none there, or its page has no slot): page index ints only, before the page loop."""
-        first = tl.full([BLOCK], -1, tl.int64)  # per lane: a page id of page index 0
+    def _selected_sink_slot(bt_ptr, idx_ptr, ok_ptr, slot_ptr, ad_slot, e0, p_lo, p_hi, BLOCK: tl.constexpr,
+                            SEL_VALID: tl.constexpr, ALT: tl.constexpr):
+        """(sink slot, alternate) of the page-index-0 entry among entries p_lo .. p_hi-1 of the
+        list at e0 (slot -1: none there, or its page has no slot): page index ints only, before
+        the page loop. ALT: the entry's page id may be negative (an alternate-source page)."""
+        first = tl.full([BLOCK], NO_PAGE, tl.int64)  # per lane: a page id of page index 0
         for j0 in range(p_lo, p_hi, BLOCK):
             j = j0 + tl.arange(0, BLOCK)
             m = j < p_hi
             if SEL_VALID:
                 m = m & (tl.load(ok_ptr + e0 + j, mask=m, other=0) != 0)
             m = m & (tl.load(idx_ptr + e0 + j, mask=m, other=-1) == 0)
-            first = tl.maximum(first, tl.load(bt_ptr + e0 + j, mask=m, other=-1).to(tl.int64))
+            ids = tl.load(bt_ptr + e0 + j, mask=m, other=0).to(tl.int64)
+            first = tl.maximum(first, tl.where(m, ids, NO_PAGE))
         page = tl.max(first, axis=0)
-        return tl.where(page >= 0, tl.load(slot_ptr + tl.maximum(page, 0)), -1)
+        found = page != NO_PAGE
+        slot, alt = _page_slot(tl.where(found, page, 0), slot_ptr, ad_slot, ALT)
+        return tl.where(found, slot, -1), alt & found
+
+    @triton.jit
+    def _page_slot(page, slot_ptr, ad_slot, ALT: tl.constexpr):
+        """(sink slot, alternate) of page id `page` (a scalar): ALT: a negative id is page -1 - id
+        of the alternate source, whose slot table sits ad_slot elements from slot_ptr."""
+        if ALT:
+            alt = page < 0
+            slot = tl.load(slot_ptr + tl.where(alt, -1 - page + ad_slot, page))
+        else:
+            alt = page < 0  # never, without ALT
+            slot = tl.load(slot_ptr + page)
+        return slot, alt
+
+    @triton.jit
+    def _kv_tiles(k_ptr, ks_ptr, v_ptr, vs_ptr, page, h, in_page, valid, ad_k, ad_ks, ad_v, ad_vs, Hkv,
+                  S: tl.constexpr, D: tl.constexpr, K_MODE: tl.constexpr, V_MODE: tl.constexpr,
+                  K_GROUP: tl.constexpr, V_GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BIAS: tl.constexpr,
+                  K_HALF: tl.constexpr, V_HALF: tl.constexpr, ALT: tl.constexpr):
+        """K and V tiles (with row scales) of the tokens at page ids `page` (int64 [BLOCK_N]),
+        offsets in_page, kv head h. ALT: a negative id is page -1 - id of the alternate source,
+        whose tensors sit ad_* rows from the pool's (AltPages)."""
+        if ALT:
+            alt = page < 0
+            row = (tl.where(alt, -1 - page, page) * Hkv + h) * S + in_page
+            k, ks = _tile(k_ptr, ks_ptr, row + tl.where(alt, ad_k, 0), row + tl.where(alt, ad_ks, 0), valid,
+                          K_MODE, D, K_GROUP, BLOCK_N, BIAS, K_HALF)
+            v, vs = _tile(v_ptr, vs_ptr, row + tl.where(alt, ad_v, 0), row + tl.where(alt, ad_vs, 0), valid,
+                          V_MODE, D, V_GROUP, BLOCK_N, BIAS, V_HALF)
+        else:
+            row = (page * Hkv + h) * S + in_page
+            k, ks = _tile(k_ptr, ks_ptr, row, row, valid, K_MODE, D, K_GROUP, BLOCK_N, BIAS, K_HALF)
+            v, vs = _tile(v_ptr, vs_ptr, row, row, valid, V_MODE, D, V_GROUP, BLOCK_N, BIAS, V_HALF)
+        return k, ks, v, vs
 
     # Runtime ints that may be 1 or multiples of 16: not specialised on value (one compile serves all).
-    @triton.jit(do_not_specialize=["Hkv", "G", "num_splits", "stride_bt", "n_sel"])
+    @triton.jit(do_not_specialize=["Hkv", "G", "num_splits", "stride_bt", "n_sel", *ALT_ARGS])
     def _split_kernel(q_ptr, k_ptr, ks_ptr, v_ptr, vs_ptr, bt_ptr, lens_ptr, idx_ptr, ok_ptr, sk_ptr, sv_ptr,
                       slot_ptr, o_ptr, lse_ptr, cs_ptr, sign_ptr, qk_scale, stride_qb, stride_qh, stride_bt,
                       stride_ob, stride_oh, stride_os, Hkv, G, num_splits, n_sel,
+                      ad_k, ad_ks, ad_v, ad_vs, ad_sk, ad_sv, ad_slot,
                       S: tl.constexpr, D: tl.constexpr, G_PAD: tl.constexpr, PAGES: tl.constexpr,
                       K_MODE: tl.constexpr, V_MODE: tl.constexpr, K_GROUP: tl.constexpr,
                       V_GROUP: tl.constexpr, BIAS: tl.constexpr, HAS_SINK: tl.constexpr,
                       SINGLE: tl.constexpr, DOT_PREC: tl.constexpr, Q_SMOOTH: tl.constexpr,
                       Q_ROTATE: tl.constexpr, INV_SQRT_D: tl.constexpr, SELECTED: tl.constexpr,
-                      SEL_VALID: tl.constexpr):
+                      SEL_VALID: tl.constexpr, ALT: tl.constexpr):
         """One (sequence b, kv head h, split sp): softmax partial of the G query heads of h.
 
         SELECTED (retrieval_attention.paged_decode_selected): row b's kv head h reads its own
@@ -268,6 +312,8 @@ if HAVE_TRITON:
         idx < 0, or ok_ptr[b, h, j] == 0 with SEL_VALID: the entry reads nothing); the splits
         cut the list, not the sequence. The sink row stands in for token 0 of the entry with
         page index 0: the split holding that entry finds it first and starts from the sink row.
+        ALT (either mode): a negative page id is page -1 - id of the alternate source (AltPages:
+        pinned host pages read over the bus, or a staging copy), at ad_* rows from the pool's.
         """
         b = tl.program_id(0)
         h = tl.program_id(1)
@@ -297,17 +343,18 @@ if HAVE_TRITON:
         acc = tl.zeros([G_PAD, D], tl.float32)  # running sum of exp2(score - m_i) * v
         t_lo = 0  # first token read from the pages (1 when the sink slot supplies token 0)
         if HAS_SINK and not SELECTED:
-            slot = tl.load(slot_ptr + tl.load(bt_ptr + b * stride_bt))
+            slot, s_alt = _page_slot(tl.load(bt_ptr + b * stride_bt).to(tl.int64), slot_ptr, ad_slot, ALT)
             t_lo = tl.where(slot >= 0, 1, 0)
             use = (slot >= 0) & (sp == 0) & (seq_len > 0)  # split 0 starts from the sink row
-            m_i, l_i, acc = _sink_start(q, sk_ptr, sv_ptr, (tl.maximum(slot, 0) * Hkv + h) * D, use, qk_scale,
-                                        m_i, l_i, acc, D)
+            m_i, l_i, acc = _sink_start(q, sk_ptr + tl.where(s_alt, ad_sk, 0), sv_ptr + tl.where(s_alt, ad_sv, 0),
+                                        (tl.maximum(slot, 0) * Hkv + h) * D, use, qk_scale, m_i, l_i, acc, D)
         if HAS_SINK and SELECTED:  # the split holding the list's page-index-0 entry starts from the sink row
-            slot = _selected_sink_slot(bt_ptr, idx_ptr, ok_ptr, slot_ptr, e0, p_lo, p_hi, BLOCK_N, SEL_VALID)
+            slot, s_alt = _selected_sink_slot(bt_ptr, idx_ptr, ok_ptr, slot_ptr, ad_slot, e0, p_lo, p_hi, BLOCK_N,
+                                              SEL_VALID, ALT)
             t_lo = tl.where(slot >= 0, 1, 0)
             use = (slot >= 0) & (seq_len > 0)
-            m_i, l_i, acc = _sink_start(q, sk_ptr, sv_ptr, (tl.maximum(slot, 0) * Hkv + h) * D, use, qk_scale,
-                                        m_i, l_i, acc, D)
+            m_i, l_i, acc = _sink_start(q, sk_ptr + tl.where(s_alt, ad_sk, 0), sv_ptr + tl.where(s_alt, ad_sv, 0),
+                                        (tl.maximum(slot, 0) * Hkv + h) * D, use, qk_scale, m_i, l_i, acc, D)
 
         offs = tl.arange(0, BLOCK_N)
         in_page = offs % S
@@ -329,9 +376,9 @@ if HAVE_TRITON:
                 if HAS_SINK:
                     valid = valid & (tok >= t_lo)
                 page = tl.load(bt_ptr + b * stride_bt + pidx, mask=pidx < p_hi, other=0).to(tl.int64)
-            row = (page * Hkv + h) * S + in_page
-            k, ks = _tile(k_ptr, ks_ptr, row, valid, K_MODE, D, K_GROUP, BLOCK_N, BIAS, half)
-            v, vs = _tile(v_ptr, vs_ptr, row, valid, V_MODE, D, V_GROUP, BLOCK_N, BIAS, half)
+            k, ks, v, vs = _kv_tiles(k_ptr, ks_ptr, v_ptr, vs_ptr, page, h, in_page, valid, ad_k, ad_ks, ad_v,
+                                     ad_vs, Hkv, S, D, K_MODE, V_MODE, K_GROUP, V_GROUP, BLOCK_N, BIAS, half,
+                                     half, ALT)
             if K_MODE == MODE_PLAIN or q.dtype == tl.float32:
                 s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PREC)  # [G_PAD, BLOCK_N]
             else:  # fp16 code tiles: the dot in fp16 (q cast once), no conversion of the tile
@@ -516,6 +563,80 @@ class NativeDomain:
     rotate_out: bool
 
 
+@dataclass(frozen=True)
+class AltPages:
+    """A second page source for the kernels: a page id p < 0 in a block table or page list
+    names page -1 - p of `st` (host_ref(h) = -1 - h, kvtier/kv/manager.py).
+
+    st: one layer of a pool with the compute pool's page layout and dtypes (same [Hkv, S, ...]
+    per page): pinned host pages, which the GPU reads over the bus (UVA; each byte once: decode),
+    or a device staging copy of them (prefill: the chunk's query tiles read each page many times);
+    sink: that pool's (sink_k, sink_v, sink_slot) for its pages (pinned on the host too), or None.
+
+    The kernels take no second set of pointers: each alternate tensor is addressed by its
+    distance from the compute pool's tensor, in rows of that tensor (`alt_offsets`); under UVA a
+    pinned host address is a device address. A launch reads `st` as it is at that moment."""
+
+    st: dict[str, torch.Tensor]
+    sink: "Sink | None" = None
+
+
+def _rows_apart(alt: torch.Tensor, base: torch.Tensor, name: str) -> int:
+    """(alt's address - base's) in rows of base (its elements past dim 2; whole elements for
+    the sink tables): exact, or a ValueError (the kernels index both by one row number)."""
+    if alt.dtype != base.dtype or tuple(alt.shape[1:]) != tuple(base.shape[1:]) or not alt.is_contiguous():
+        raise ValueError(f"AltPages: {name} must be contiguous {base.dtype} [*, {tuple(base.shape[1:])}], "
+                         f"got {alt.dtype} {tuple(alt.shape)}")
+    row = base.element_size() * (math.prod(base.shape[3:]) if base.dim() > 3 else 1)
+    gap = alt.data_ptr() - base.data_ptr()
+    if gap % row:
+        raise ValueError(f"AltPages: {name} is not a whole number of {row}-byte rows from the pool's")
+    return gap // row
+
+
+def alt_offsets(st: dict[str, torch.Tensor], sink: "Sink | None", alt: AltPages | None) -> dict[str, int]:
+    """The kernels' ad_* arguments: each alternate tensor's distance from the pool's (zeros without alt)."""
+    if alt is None:
+        return dict.fromkeys(ALT_ARGS, 0)
+    if set(alt.st) != set(st):
+        raise ValueError(f"AltPages: tensors {sorted(alt.st)} differ from the pool's {sorted(st)}")
+    out = {}
+    for arg, name in (("ad_k", "k"), ("ad_ks", "k_scale"), ("ad_v", "v"), ("ad_vs", "v_scale")):
+        key = name if name in st else name[0]  # plain formats: the data tensor stands in for the scales
+        out[arg] = _rows_apart(alt.st[key], st[key], key)
+    out["ad_sk"] = out["ad_sv"] = out["ad_slot"] = 0
+    if sink is not None:
+        if alt.sink is None:
+            raise ValueError("AltPages: the pool has sink rows, the alternate source has none")
+        for arg, a, b, name in (("ad_sk", alt.sink[0], sink[0], "sink_k"), ("ad_sv", alt.sink[1], sink[1], "sink_v")):
+            out[arg] = _rows_apart(a, b, name)  # [slots, Hkv, D]: rows of one element
+        if alt.sink[2].dtype != sink[2].dtype or alt.sink[2].dim() != 1:
+            raise ValueError("AltPages: the sink slot table must be 1-D like the pool's")
+        gap = alt.sink[2].data_ptr() - sink[2].data_ptr()
+        if gap % sink[2].element_size():
+            raise ValueError("AltPages: the sink slot tables are not a whole number of elements apart")
+        out["ad_slot"] = gap // sink[2].element_size()
+    return out
+
+
+def with_alt(st: dict[str, torch.Tensor], sink: "Sink | None", table: torch.Tensor,
+             alt: AltPages | None) -> tuple[dict[str, torch.Tensor], "Sink | None", torch.Tensor]:
+    """For the references: one pool holding the pool's pages then the alternate ones (on the
+    pool's device), its sink tables joined the same way, and `table` with each negative id
+    -1 - a renamed to num_pages + a."""
+    if alt is None:
+        return st, sink, table
+    dev, n = st["k"].device, st["k"].shape[0]
+    joined = {name: torch.cat([t, alt.st[name].to(dev)]) for name, t in st.items()}
+    if sink is not None:
+        slots = sink[0].shape[0]
+        aslot = alt.sink[2].to(dev)
+        sink = (torch.cat([sink[0], alt.sink[0].to(dev)]), torch.cat([sink[1], alt.sink[1].to(dev)]),
+                torch.cat([sink[2], torch.where(aslot >= 0, aslot + slots, aslot)]))
+    t = table.long()
+    return joined, sink, torch.where(t < 0, n - 1 - t, t).to(table.dtype)
+
+
 def fold_native_supported(head_dim: int) -> bool:
     """NativeDomain folding needs R to be one Sylvester block: a power-of-two head_dim >= 16."""
     return HAVE_TRITON and head_dim >= 16 and head_dim & (head_dim - 1) == 0
@@ -523,7 +644,8 @@ def fold_native_supported(head_dim: int) -> bool:
 
 def paged_decode(q: torch.Tensor, st: dict[str, torch.Tensor], fmt: KVFormat, block_table: torch.Tensor,
                  seq_lens: torch.Tensor, scale: float, num_splits: int, sink: Sink | None = None,
-                 out: torch.Tensor | None = None, native: NativeDomain | None = None) -> torch.Tensor:
+                 out: torch.Tensor | None = None, native: NativeDomain | None = None,
+                 alt: AltPages | None = None) -> torch.Tensor:
     """Decode attention of one query row per sequence over its pages, read in place.
 
     q: [B, Hq, D] (bf16 / fp16 / fp32) in the stored domain (PagePool.native_q), or raw with
@@ -533,7 +655,8 @@ def paged_decode(q: torch.Tensor, st: dict[str, torch.Tensor], fmt: KVFormat, bl
     seq_lens: [B] int32 keys per sequence (0 -> a zero output row);
     sink: (sink_k, sink_v, sink_slot) of the pool's layer, or None;
     num_splits: splits per (sequence, kv head), from shapes only (`choose_num_splits`);
-    out: optional [B, Hq, D] destination (last dim contiguous).
+    out: optional [B, Hq, D] destination (last dim contiguous);
+    alt: the pages that negative block-table entries name (AltPages; e.g. the pinned host tier).
     -> [B, Hq, D] in q.dtype, in the stored domain (PagePool.native_out maps it back).
 
     No host synchronisation and no data-dependent shapes: capturable in a CUDA graph.
@@ -543,7 +666,7 @@ def paged_decode(q: torch.Tensor, st: dict[str, torch.Tensor], fmt: KVFormat, bl
     _check(q, st, fmt, block_table, seq_lens, num_splits)
     if block_table.stride(-1) != 1:
         block_table = block_table.contiguous()
-    return launch_decode(q, st, fmt, block_table, seq_lens, scale, num_splits, sink, out, native)
+    return launch_decode(q, st, fmt, block_table, seq_lens, scale, num_splits, sink, out, native, alt=alt)
 
 
 @dataclass(frozen=True)
@@ -560,10 +683,10 @@ class PageLists:
 def launch_decode(q: torch.Tensor, st: dict[str, torch.Tensor], fmt: KVFormat, table: torch.Tensor,
                   lens: torch.Tensor, scale: float, num_splits: int, sink: Sink | None,
                   out: torch.Tensor | None, native: NativeDomain | None,
-                  lists: PageLists | None = None) -> torch.Tensor:
+                  lists: PageLists | None = None, alt: AltPages | None = None) -> torch.Tensor:
     """The split (+ merge) launch of paged_decode (lists None: table [B, max_pages] block table)
     and of retrieval_attention.paged_decode_selected (table [B, Hkv, n_sel] page ids); inputs
-    already checked, tables contiguous along their last dim."""
+    already checked, tables contiguous along their last dim; alt: where negative ids point."""
     bsz, hq, d = q.shape
     _, hkv, s, _ = st["k"].shape
     if q.stride(-1) != 1:
@@ -596,9 +719,10 @@ def launch_decode(q: torch.Tensor, st: dict[str, torch.Tensor], fmt: KVFormat, t
         q, st["k"], st.get("k_scale", st["k"]), st["v"], st.get("v_scale", st["v"]), table, lens, idx, ok,
         sk.contiguous(), sv.contiguous(), slot, dst, lse, cs, signs, scale * LOG2E,
         q.stride(0), q.stride(1), table.stride(0), *strides, hkv, hq // hkv, num_splits, n_sel,
+        **alt_offsets(st, sink, alt),
         **split_constants(fmt, d, s, hq // hkv, q.dtype, sink is not None, single, num_splits, native,
                           selected=lists is not None, sel_valid=lists is not None and lists.valid is not None),
-        num_warps=NUM_WARPS, num_stages=NUM_STAGES)
+        ALT=alt is not None, num_warps=NUM_WARPS, num_stages=NUM_STAGES)
     rotate_out = native is not None and native.rotate_out
     if not single:
         _merge_kernel[(bsz, hq)](dst, lse, out, rot, out.stride(0), out.stride(1), hq, num_splits, D=d,
@@ -634,13 +758,14 @@ def _sequence_kv(st: dict[str, torch.Tensor], fmt: KVFormat, pages: torch.Tensor
 
 def paged_decode_reference(q: torch.Tensor, st: dict[str, torch.Tensor], fmt: KVFormat,
                            block_table: torch.Tensor, seq_lens: torch.Tensor, scale: float,
-                           sink: Sink | None = None) -> torch.Tensor:
+                           sink: Sink | None = None, alt: AltPages | None = None) -> torch.Tensor:
     """paged_decode in plain PyTorch (same arguments; any device; syncs on seq_lens).
 
     Pages are decoded by the format's codecs to q.dtype (as PagePool.read(native=True)
     does in the compute dtype), token 0 taken from the sink slot when its first page has
     one, then an fp32 softmax: q: [B, Hq, D] -> [B, Hq, D] in q.dtype.
     """
+    st, sink, block_table = with_alt(st, sink, block_table, alt)
     bsz, hq, d = q.shape
     hkv = st["k"].shape[1]
     out = torch.zeros_like(q)
@@ -691,9 +816,10 @@ PREFILL_BLOCKS = {
 if HAVE_TRITON:
     @triton.jit
     def _prefill_tile(acc, m_i, l_i, q, k_ptr, ks_ptr, v_ptr, vs_ptr, bt_row, h, n0, ctx, t_lo, pos, qk_scale,
+                      ad_k, ad_ks, ad_v, ad_vs,
                       Hkv, S: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr, K_MODE: tl.constexpr,
                       V_MODE: tl.constexpr, K_GROUP: tl.constexpr, V_GROUP: tl.constexpr, BIAS: tl.constexpr,
-                      CAUSAL: tl.constexpr, HAS_SINK: tl.constexpr, DOT_PREC: tl.constexpr):
+                      CAUSAL: tl.constexpr, HAS_SINK: tl.constexpr, DOT_PREC: tl.constexpr, ALT: tl.constexpr):
         """Keys n0 .. n0 + BLOCK_N - 1 into the softmax state (acc [M, D], m_i / l_i [M], log2 units).
 
         pos: [M] each row's position (CAUSAL: row r sees keys <= pos[r]); t_lo: 1 when the
@@ -702,13 +828,12 @@ if HAVE_TRITON:
         tok = n0 + tl.arange(0, BLOCK_N)
         valid = tok < ctx
         page = tl.load(bt_row + tok // S, mask=valid, other=0).to(tl.int64)
-        row = (page * Hkv + h) * S + tok % S
         # 16-bit q: code tiles come decoded to fp16 (word-wise, no per-code I2F) and are dotted in
         # fp16, as in the decode kernel; plain tiles and fp32 q as stored
         k_half: tl.constexpr = q.dtype != tl.float32 and K_MODE != MODE_PLAIN
         v_half: tl.constexpr = q.dtype != tl.float32 and V_MODE != MODE_PLAIN
-        k, ks = _tile(k_ptr, ks_ptr, row, valid, K_MODE, D, K_GROUP, BLOCK_N, BIAS, k_half)
-        v, vs = _tile(v_ptr, vs_ptr, row, valid, V_MODE, D, V_GROUP, BLOCK_N, BIAS, v_half)
+        k, ks, v, vs = _kv_tiles(k_ptr, ks_ptr, v_ptr, vs_ptr, page, h, tok % S, valid, ad_k, ad_ks, ad_v, ad_vs,
+                                 Hkv, S, D, K_MODE, V_MODE, K_GROUP, V_GROUP, BLOCK_N, BIAS, k_half, v_half, ALT)
         if k_half:
             s = tl.dot(q.to(tl.float16), tl.trans(k), input_precision=DOT_PREC)  # [M, BLOCK_N]
         else:
@@ -739,14 +864,16 @@ if HAVE_TRITON:
         return acc, m_new, l_i
 
     # Runtime ints that may be 1 or multiples of 16: not specialised on value (one compile serves all).
-    @triton.jit(do_not_specialize=["Hkv", "G", "stride_bt"])
+    @triton.jit(do_not_specialize=["Hkv", "G", "stride_bt", *ALT_ARGS])
     def _prefill_kernel(q_ptr, k_ptr, ks_ptr, v_ptr, vs_ptr, bt_ptr, lens_ptr, qsl_ptr, sk_ptr, sv_ptr, slot_ptr,
                         o_ptr, qk_scale, stride_qt, stride_qh, stride_bt, stride_ot, stride_oh, Hkv, G,
+                        ad_k, ad_ks, ad_v, ad_vs, ad_sk, ad_sv, ad_slot,
                         S: tl.constexpr, D: tl.constexpr, G_PAD: tl.constexpr, BLOCK_Q: tl.constexpr,
                         BLOCK_N: tl.constexpr, K_MODE: tl.constexpr, V_MODE: tl.constexpr, K_GROUP: tl.constexpr,
                         V_GROUP: tl.constexpr, BIAS: tl.constexpr, HAS_SINK: tl.constexpr,
-                        DOT_PREC: tl.constexpr):
-        """One (kv head h, sequence b, query tile): BLOCK_Q new rows x G query heads of h."""
+                        DOT_PREC: tl.constexpr, ALT: tl.constexpr):
+        """One (kv head h, sequence b, query tile): BLOCK_Q new rows x G query heads of h.
+        ALT: negative page ids name pages of the alternate source (as in _split_kernel)."""
         h = tl.program_id(0)
         b = tl.program_id(1)
         m0 = (tl.num_programs(2) - 1 - tl.program_id(2)) * BLOCK_Q  # heaviest tiles first
@@ -769,22 +896,24 @@ if HAVE_TRITON:
         bt_row = bt_ptr + b * stride_bt
         t_lo = 0
         if HAS_SINK:
-            slot = tl.load(slot_ptr + tl.load(bt_ptr + b * stride_bt))
+            slot, s_alt = _page_slot(tl.load(bt_ptr + b * stride_bt).to(tl.int64), slot_ptr, ad_slot, ALT)
             t_lo = tl.where(slot >= 0, 1, 0)
-            m_i, l_i, acc = _sink_start(q, sk_ptr, sv_ptr, (tl.maximum(slot, 0) * Hkv + h) * D, slot >= 0, qk_scale,
-                                        m_i, l_i, acc, D)
+            m_i, l_i, acc = _sink_start(q, sk_ptr + tl.where(s_alt, ad_sk, 0), sv_ptr + tl.where(s_alt, ad_sv, 0),
+                                        (tl.maximum(slot, 0) * Hkv + h) * D, slot >= 0, qk_scale, m_i, l_i, acc, D)
         first = ctx - n_new + m0
         busy = m0 < n_new  # an empty tile (a sequence with fewer new rows) reads nothing
         end = tl.where(busy, ctx - n_new + tl.minimum(m0 + BLOCK_Q, n_new), 0)  # last row's position + 1
         full_end = tl.where(busy, (first + 1) // BLOCK_N * BLOCK_N, 0)
         for n0 in range(0, full_end, BLOCK_N):
             acc, m_i, l_i = _prefill_tile(acc, m_i, l_i, q, k_ptr, ks_ptr, v_ptr, vs_ptr, bt_row, h, n0, ctx, t_lo,
-                                          pos, qk_scale, Hkv, S, D, BLOCK_N, K_MODE, V_MODE, K_GROUP, V_GROUP,
-                                          BIAS, False, HAS_SINK, DOT_PREC)
+                                          pos, qk_scale, ad_k, ad_ks, ad_v, ad_vs, Hkv, S, D, BLOCK_N, K_MODE, V_MODE,
+                                          K_GROUP, V_GROUP,
+                                          BIAS, False, HAS_SINK, DOT_PREC, ALT)
         for n0 in range(full_end, end, BLOCK_N):
             acc, m_i, l_i = _prefill_tile(acc, m_i, l_i, q, k_ptr, ks_ptr, v_ptr, vs_ptr, bt_row, h, n0, ctx, t_lo,
-                                          pos, qk_scale, Hkv, S, D, BLOCK_N, K_MODE, V_MODE, K_GROUP, V_GROUP,
-                                          BIAS, True, HAS_SINK, DOT_PREC)
+                                          pos, qk_scale, ad_k, ad_ks, ad_v, ad_vs, Hkv, S, D, BLOCK_N, K_MODE, V_MODE,
+                                          K_GROUP, V_GROUP,
+                                          BIAS, True, HAS_SINK, DOT_PREC, ALT)
         o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
         tl.store(o_ptr + rows[:, None] * stride_ot + heads[:, None] * stride_oh + d[None, :],
                  o.to(o_ptr.dtype.element_ty), mask=live[:, None])
@@ -806,7 +935,8 @@ def prefill_constants(fmt: KVFormat, head_dim: int, page_size: int, gqa: int, dt
 
 def paged_prefill(q: torch.Tensor, st: dict[str, torch.Tensor], fmt: KVFormat, block_table: torch.Tensor,
                   seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float, sink: Sink | None = None,
-                  max_new: int | None = None, blocks: tuple[int, int, int, int] | None = None) -> torch.Tensor:
+                  max_new: int | None = None, blocks: tuple[int, int, int, int] | None = None,
+                  alt: AltPages | None = None) -> torch.Tensor:
     """Causal attention of B sequences' packed new rows over their pages, read in place.
 
     q: [T, Hq, D] (bf16 / fp16 / fp32) in the stored domain (PagePool.native_q);
@@ -817,7 +947,9 @@ def paged_prefill(q: torch.Tensor, st: dict[str, torch.Tensor], fmt: KVFormat, b
     sink: (sink_k, sink_v, sink_slot) as paged_decode;
     max_new: max_b n_b or any bound above it (rows past it are not computed), sizes the grid;
     None: read from query_start_loc (a host sync);
-    blocks: (BLOCK_M, BLOCK_N, num_warps, num_stages) instead of prefill_blocks' (tests, tuning).
+    blocks: (BLOCK_M, BLOCK_N, num_warps, num_stages) instead of prefill_blocks' (tests, tuning);
+    alt: the pages that negative block-table entries name (AltPages: a device staging copy of
+    host pages; each key tile is read by every query tile, so not the host pages themselves).
     -> [T, Hq, D] in q.dtype, in the stored domain (PagePool.native_out maps it back).
     """
     if not HAVE_TRITON:
@@ -845,19 +977,20 @@ def paged_prefill(q: torch.Tensor, st: dict[str, torch.Tensor], fmt: KVFormat, b
     _prefill_kernel[grid](
         q, st["k"], st.get("k_scale", st["k"]), st["v"], st.get("v_scale", st["v"]), block_table, seq_lens,
         query_start_loc, sk.contiguous(), sv.contiguous(), slot, out, scale * LOG2E, q.stride(0), q.stride(1),
-        block_table.stride(0), out.stride(0), out.stride(1), hkv, hq // hkv, **const,
-        num_warps=warps, num_stages=stages)
+        block_table.stride(0), out.stride(0), out.stride(1), hkv, hq // hkv, **alt_offsets(st, sink, alt), **const,
+        ALT=alt is not None, num_warps=warps, num_stages=stages)
     return out
 
 
 def paged_prefill_reference(q: torch.Tensor, st: dict[str, torch.Tensor], fmt: KVFormat,
                             block_table: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
-                            scale: float, sink: Sink | None = None) -> torch.Tensor:
+                            scale: float, sink: Sink | None = None, alt: AltPages | None = None) -> torch.Tensor:
     """paged_prefill in plain PyTorch (same arguments; any device; syncs on the lengths).
 
     Each sequence's pages decoded by the codecs to q.dtype (sink row at token 0 as
     paged_decode_reference), then a causal fp32 softmax: q: [T, Hq, D] -> [T, Hq, D] in q.dtype.
     """
+    st, sink, block_table = with_alt(st, sink, block_table, alt)
     _, hq, d = q.shape
     hkv = st["k"].shape[1]
     out = torch.zeros_like(q)

@@ -24,8 +24,8 @@ from __future__ import annotations
 
 import torch
 
-from kvtier.kernels.paged_attention import (HAVE_TRITON, NativeDomain, PageLists, Sink, _check_pages,
-                                            choose_num_splits, launch_decode)
+from kvtier.kernels.paged_attention import (HAVE_TRITON, AltPages, NativeDomain, PageLists, Sink, _check_pages,
+                                            choose_num_splits, launch_decode, with_alt)
 from kvtier.kv.formats import KVFormat
 
 
@@ -61,7 +61,7 @@ def _check_lists(q: torch.Tensor, st: dict[str, torch.Tensor], fmt: KVFormat, pa
 def paged_decode_selected(q: torch.Tensor, st: dict[str, torch.Tensor], fmt: KVFormat, page_ids: torch.Tensor,
                           page_idx: torch.Tensor, valid: torch.Tensor | None, ctx: torch.Tensor, scale: float,
                           num_splits: int, sink: Sink | None = None, out: torch.Tensor | None = None,
-                          native: NativeDomain | None = None) -> torch.Tensor:
+                          native: NativeDomain | None = None, alt: AltPages | None = None) -> torch.Tensor:
     """One decode row per sequence over per-kv-head page lists, read in place.
 
     q: [R, Hq, D] (bf16 / fp16 / fp32) in the stored domain (PagePool.native_q), or raw with
@@ -73,7 +73,8 @@ def paged_decode_selected(q: torch.Tensor, st: dict[str, torch.Tensor], fmt: KVF
     ctx: [R] int32/int64 context length (keys 0 .. ctx-1 exist; the last page is partial);
     sink: (sink_k, sink_v, sink_slot) of the pool's layer: key 0 of a page-index-0 entry whose
     page has a slot comes from the slot; num_splits: `selected_num_splits`;
-    out: optional [R, Hq, D] destination (last dim contiguous).
+    out: optional [R, Hq, D] destination (last dim contiguous);
+    alt: the pages negative ids name (AltPages): the pinned host tier, read over the bus in place.
     -> [R, Hq, D] in q.dtype, in the stored domain (PagePool.native_out maps it back); a row
     (kv head) with no live key gives zeros.
 
@@ -87,7 +88,7 @@ def paged_decode_selected(q: torch.Tensor, st: dict[str, torch.Tensor], fmt: KVF
         ok = valid.contiguous()
         ok = ok.view(torch.uint8) if ok.dtype == torch.bool else ok
     lists = PageLists(page_idx.contiguous(), ok)
-    return launch_decode(q, st, fmt, page_ids.contiguous(), ctx, scale, num_splits, sink, out, native, lists)
+    return launch_decode(q, st, fmt, page_ids.contiguous(), ctx, scale, num_splits, sink, out, native, lists, alt)
 
 
 def _entry_rows(st: dict[str, torch.Tensor], fmt: KVFormat, ids: torch.Tensor, head_dim: int,
@@ -101,13 +102,15 @@ def _entry_rows(st: dict[str, torch.Tensor], fmt: KVFormat, ids: torch.Tensor, h
 
 def paged_decode_selected_reference(q: torch.Tensor, st: dict[str, torch.Tensor], fmt: KVFormat,
                                     page_ids: torch.Tensor, page_idx: torch.Tensor, valid: torch.Tensor | None,
-                                    ctx: torch.Tensor, scale: float, sink: Sink | None = None) -> torch.Tensor:
+                                    ctx: torch.Tensor, scale: float, sink: Sink | None = None,
+                                    alt: AltPages | None = None) -> torch.Tensor:
     """paged_decode_selected in plain PyTorch (same arguments; any device; no host sync).
 
     Each entry's page decoded to q.dtype for its own kv head (as PagePool.read(native=True)),
     key 0 of page-index-0 entries from the sink slot, then an fp32 softmax over the live keys:
     q: [R, Hq, D] -> [R, Hq, D] in q.dtype (zeros where a kv head has no live key).
     """
+    st, sink, page_ids = with_alt(st, sink, page_ids, alt)
     r, hq, d = q.shape
     hkv, s = st["k"].shape[1], st["k"].shape[2]
     ok = page_idx >= 0

@@ -60,6 +60,19 @@ def test_kernel_matches_reference_cuda(name: str, gqa: int, head_dim: int) -> No
         cases.check_case(pa, case, splits, use_sink=case.pool.fmt.quantized)
 
 
+@pytest.mark.parametrize("where", ["pinned", "cuda"])
+@pytest.mark.parametrize("name", ["bf16", "fp32", "int8", "k8v4", "int4"])
+def test_alt_pages_match_reference_cuda(name: str, where: str) -> None:
+    """Negative block-table ids read a second source (AltPages): pinned host pages over the bus
+    (UVA, the host tier in decode) or another device tensor (prefill's staging copy)."""
+    from kvtier.kernels import paged_attention as pa
+    dtype = cases.compute_dtype(name, torch.bfloat16)
+    case = cases.make_case(name, KV_HEADS, 4, PS, 128, LENS, SINKS, dtype, "cuda", seed=77)
+    case, alt = cases.with_alt_pages(case, seed=78, alt_device=where)
+    for splits in (1, 7):
+        cases.check_alt_case(pa, case, alt, splits, use_sink=True)
+
+
 @pytest.mark.parametrize("name", ["bf16", "k8v4"])
 def test_cuda_graph_replay_matches_eager(name: str) -> None:
     """Capture once with fixed buffers; new seq_lens / block tables / queries in place; replay."""

@@ -71,6 +71,18 @@ def test_kernel_matches_reference_cuda(name: str, gqa: int, head_dim: int) -> No
         cases.check_prefill(pa, case, use_sink)
 
 
+@pytest.mark.parametrize("name", ["bf16", "int8", "k8v4", "int4"])
+def test_alt_pages_match_reference_cuda(name: str) -> None:
+    """Negative block-table ids read a staging tensor (AltPages), as prefill over host pages does."""
+    from kvtier.kernels import paged_attention as pa
+    dtype = base.compute_dtype(name, torch.bfloat16)
+    case = cases.make_prefill_case(name, KV_HEADS, 4, PS, 128, LENS, SINKS, dtype, "cuda", seed=91)
+    b, alt = base.with_alt_pages(case.base, seed=92)
+    case = cases.PrefillCase(b, case.q, case.query_start_loc)
+    for use_sink in (False, True):
+        cases.check_prefill(pa, case, use_sink, alt=alt)
+
+
 @pytest.mark.parametrize("name", ["bf16", "k8v4", "int4"])
 def test_head_dim_256_matches_reference_cuda(name: str) -> None:
     from kvtier.kernels import paged_attention as pa

@@ -134,6 +134,77 @@ def check_native_fold(pa: ModuleType, case: Case, num_splits: int) -> None:
         f"{case.fmt_name} folded splits={num_splits}: max |kernel - reference| = {err:.3g}"
 
 
+def aligned_copy(t: torch.Tensor, device: str, pin: bool = False) -> torch.Tensor:
+    """A contiguous copy of t on `device` starting on a 4 KiB boundary (the kernels address an
+    alternate source by whole rows from the pool's tensors: CUDA and pinned allocations are
+    aligned so; plain CPU allocations only to 64 bytes)."""
+    nbytes = t.numel() * t.element_size()
+    buf = torch.empty(nbytes + 4096, dtype=torch.uint8, device=device, pin_memory=pin)
+    off = -buf.data_ptr() % 4096
+    out = buf[off:off + nbytes].view(t.dtype).view(t.shape)
+    out.copy_(t)
+    return out
+
+
+def with_alt_pages(case: Case, seed: int, alt_device: str | None = None) -> tuple[Case, object]:
+    """The same case with about half of each sequence's pages moved to a second source
+    (kernels' AltPages): table entry p becomes -1 - a, alt page a holds page p's codes (pages
+    and sink slots shuffled there), while the pool's copy of a moved page is overwritten with
+    another page's codes and loses its sink slot: reading the pool instead gives other numbers.
+    alt_device: where the alternate pages live ("pinned": pinned host memory; default: the case's)."""
+    import dataclasses
+
+    from kvtier.kernels.paged_attention import AltPages
+    g = torch.Generator().manual_seed(seed)
+    dev = case.q.device
+    n_pages = case.st["k"].shape[0]
+    perm = torch.randperm(n_pages, generator=g)  # alt page a holds pool page perm[a]
+    inv = torch.argsort(perm)
+    s = case.st["k"].shape[2]
+    table = case.block_table.long().cpu()
+    live = torch.arange(table.shape[1])[None, :] < ((case.seq_lens.long().cpu() + s - 1) // s)[:, None]
+    move = live & (torch.rand(table.shape, generator=g) < 0.5)
+    move[:, 0] |= live[:, 0] & (torch.arange(table.shape[0]) % 2 == 0)  # first pages (sinks) of every other row
+    moved = table[move].unique()
+
+    def place(t: torch.Tensor, where: str | None = None) -> torch.Tensor:
+        if (where or alt_device) == "pinned":
+            return aligned_copy(t, "cpu", pin=True)
+        return aligned_copy(t, where or alt_device or str(dev))
+
+    alt_st = {name: place(t[perm.to(t.device)]) for name, t in case.st.items()}
+    other = torch.roll(torch.arange(n_pages), 1).to(dev)
+    st = {}
+    for name, t in case.st.items():
+        t = place(t, str(dev))
+        t[moved.to(dev)] = case.st[name][other[moved.to(dev)]]
+        st[name] = t
+    sk, sv, slot = case.sink
+    sperm = torch.randperm(sk.shape[0], generator=g).to(sk.device)  # alt slot j holds pool slot sperm[j]
+    sinv = torch.argsort(sperm)
+    pslot = slot[perm.to(slot.device)]
+    alt_slot = torch.where(pslot >= 0, sinv[pslot.clamp_min(0)], pslot)
+    alt = AltPages(alt_st, (place(sk[sperm]), place(sv[sperm]), place(alt_slot)))
+    slot = slot.clone()
+    slot[moved.to(slot.device)] = -1
+    new_table = torch.where(move, -1 - inv[table], table).to(dev, case.block_table.dtype)
+    return dataclasses.replace(case, st=st, block_table=new_table, sink=(sk, sv, slot)), alt
+
+
+def check_alt_case(pa: ModuleType, case: Case, alt: object, num_splits: int, use_sink: bool) -> None:
+    """paged_decode reading negative ids from `alt` == its reference given the same alt."""
+    sink = case.sink if use_sink else None
+    fmt = case.pool.fmt
+    args = (case.q, case.st, fmt, case.block_table, case.seq_lens, case.scale)
+    got = pa.paged_decode(*args, num_splits, sink=sink, alt=alt)
+    want = pa.paged_decode_reference(*args, sink=sink, alt=alt)
+    tol = TOLERANCE[case.q.dtype]
+    err = (got.float() - want.float()).abs().max().item()
+    assert torch.allclose(got.float(), want.float(), rtol=tol, atol=tol), \
+        f"{case.fmt_name} alt splits={num_splits} sink={use_sink}: max |kernel - reference| = {err:.3g}"
+    assert bool((case.block_table < 0).any()), "no page moved: vacuous"
+
+
 # (format, gqa, page_size, head_dim, seq_lens, with_sink, quantized-format compute dtype)
 LENS = [5, 0, 13, 1, 33]  # odd lengths, partial pages, a padding row, one token
 SINKS = [True, True, False, True, False]
@@ -146,6 +217,10 @@ INTERP_CASES += [
     ("k8v4", 2, 4, 64, [37, 3], [True, False], torch.float16),  # word-wise int8 / int4 -> fp16 decode
     ("int4", 1, 4, 32, [21, 6], [False, True], torch.float16),
 ]
+# Negative page ids read from a second source (AltPages): a few formats, sinks on first pages.
+ALT_CASES = [("fp32", 2, 4, 16, LENS, SINKS, torch.float32), ("int8", 1, 4, 16, [29, 9], [True, True], torch.float32),
+             ("k8v4", 2, 4, 32, [37, 3], [True, False], torch.float16),
+             ("int4", 2, 4, 64, [21, 18], [True, True], torch.float32)]
 # Folded native domain (NativeDomain): (format, gqa, head_dim, q dtype); D = 64 takes two R chunks.
 FOLD_CASES = [("int8", 2, 64, torch.float32), ("k8v4", 2, 32, torch.float16), ("int4", 1, 16, torch.float32)]
 # (num_splits, with sinks): splits 1 with and without sinks, 3 with (each ~18 ms a program here)
@@ -164,6 +239,14 @@ def main() -> None:
                 check_case(pa, case, splits, use_sink)
             except AssertionError as e:
                 failures.append(f"{name} gqa={gqa} ps={ps} D={hd} splits={splits} sink={use_sink}: {e}")
+    for i, (name, gqa, ps, hd, lens, sinks, qdt) in enumerate(ALT_CASES):
+        case = make_case(name, 2, gqa, ps, hd, lens, sinks, interp_dtype(name, qdt), "cpu", seed=200 + i)
+        case, alt = with_alt_pages(case, seed=300 + i)
+        for splits, use_sink in INTERP_RUNS:
+            try:
+                check_alt_case(pa, case, alt, splits, use_sink)
+            except AssertionError as e:
+                failures.append(f"{name} alt gqa={gqa} splits={splits} sink={use_sink}: {e}")
     for i, (name, gqa, hd, qdt) in enumerate(FOLD_CASES):
         case = make_case(name, 2, gqa, 4, hd, [21, 6], [True, False], qdt, "cpu", seed=100 + i)
         for splits in (1, 3):
@@ -225,17 +308,18 @@ def make_selection(case: Case, n_sel: int, seed: int) -> Selection:
 
 
 def check_selected(ra: ModuleType, case: Case, sel: Selection, num_splits: int, use_sink: bool,
-                   idx_only: bool = False) -> None:
-    """paged_decode_selected == its reference; idx_only: invalid entries as page_idx -1, valid None.
-    With sinks, the sink rows must change the result (else the test is vacuous)."""
+                   idx_only: bool = False, alt: object | None = None) -> None:
+    """paged_decode_selected == its reference; idx_only: invalid entries as page_idx -1, valid None;
+    alt: where negative page ids point (with_alt_pages). With sinks, the sink rows must change
+    the result (else the test is vacuous)."""
     sink = case.sink if use_sink else None
     fmt = case.pool.fmt
     idx, valid = sel.page_idx, sel.valid
     if idx_only:
         idx, valid = torch.where(sel.valid, sel.page_idx, -1), None
     args = (case.q, case.st, fmt, sel.page_ids, idx, valid, case.seq_lens, case.scale)
-    got = ra.paged_decode_selected(*args, num_splits, sink=sink)
-    want = ra.paged_decode_selected_reference(*args, sink=sink)
+    got = ra.paged_decode_selected(*args, num_splits, sink=sink, alt=alt)
+    want = ra.paged_decode_selected_reference(*args, sink=sink, alt=alt)
     tag = f"{case.fmt_name} selected splits={num_splits} sink={use_sink} idx_only={idx_only}"
     assert got.shape == case.q.shape and got.dtype == case.q.dtype, tag
     tol = TOLERANCE[case.q.dtype]
@@ -245,10 +329,11 @@ def check_selected(ra: ModuleType, case: Case, sel: Selection, num_splits: int, 
     assert rel < REL_TOLERANCE[case.q.dtype], f"{tag}: relative error {rel:.3g}"
     assert not got[case.seq_lens == 0].any(), f"{tag}: a ctx-0 row is not zero"
     everything = ra.paged_decode_selected_reference(case.q, case.st, fmt, sel.page_ids, sel.page_idx,
-                                                    torch.ones_like(sel.valid), case.seq_lens, case.scale, sink=sink)
+                                                    torch.ones_like(sel.valid), case.seq_lens, case.scale, sink=sink,
+                                                    alt=alt)
     assert not torch.allclose(everything, want, rtol=tol, atol=tol), f"{tag}: invalid entries change nothing"
     if use_sink:
-        plain = ra.paged_decode_selected_reference(*args)
+        plain = ra.paged_decode_selected_reference(*args, alt=alt)
         assert not torch.allclose(plain, want, rtol=tol, atol=tol), f"{tag}: the sink rows changed nothing"
 
 

@@ -22,7 +22,7 @@ from types import ModuleType
 
 import torch
 
-from paged_attention_cases import REL_TOLERANCE, TOLERANCE, Case, interp_dtype, make_case
+from paged_attention_cases import REL_TOLERANCE, TOLERANCE, Case, interp_dtype, make_case, with_alt_pages
 
 from kvtier.kv.formats import FORMAT_NAMES
 
@@ -50,7 +50,7 @@ def make_prefill_case(name: str, kv_heads: int, gqa: int, page_size: int, head_d
 
 
 def check_prefill(pa: ModuleType, case: PrefillCase, use_sink: bool,
-                  blocks: tuple[int, int, int, int] | None = None) -> None:
+                  blocks: tuple[int, int, int, int] | None = None, alt: object | None = None) -> None:
     """Kernel == reference (to the compute dtype's tolerance). max_new is given with sinks and
     left to the kernel (a host sync) without, so both launch paths run."""
     c = case.base
@@ -58,8 +58,8 @@ def check_prefill(pa: ModuleType, case: PrefillCase, use_sink: bool,
     fmt = c.pool.fmt
     args = (case.q, c.st, fmt, c.block_table, c.seq_lens, case.query_start_loc, c.scale)
     max_new = int((case.query_start_loc[1:] - case.query_start_loc[:-1]).max()) if use_sink else None
-    got = pa.paged_prefill(*args, sink=sink, max_new=max_new, blocks=blocks)
-    want = pa.paged_prefill_reference(*args, sink=sink)
+    got = pa.paged_prefill(*args, sink=sink, max_new=max_new, blocks=blocks, alt=alt)
+    want = pa.paged_prefill_reference(*args, sink=sink, alt=alt)
     assert got.shape == case.q.shape and got.dtype == case.q.dtype
     tol = TOLERANCE[case.q.dtype]
     err = (got.float() - want.float()).abs().max().item()
@@ -67,7 +67,7 @@ def check_prefill(pa: ModuleType, case: PrefillCase, use_sink: bool,
     assert torch.allclose(got.float(), want.float(), rtol=tol, atol=tol), f"{where}: max |kernel - ref| = {err:.3g}"
     rel = ((got.float() - want.float()).norm() / want.float().norm()).item()
     assert rel < REL_TOLERANCE[case.q.dtype], f"{where}: relative error {rel:.3g}"
-    if use_sink and bool((c.sink[2][c.block_table[:, 0].long()] >= 0).any()):
+    if use_sink and alt is None and bool((c.sink[2][c.block_table[:, 0].long()] >= 0).any()):
         plain = pa.paged_prefill_reference(*args)
         assert not torch.allclose(plain, want, rtol=tol, atol=tol), "the sink rows changed nothing: vacuous test"
 
@@ -90,6 +90,10 @@ INTERP_CASES += [
 ]
 
 
+ALT_CASES = [("fp32", 2, 4, 16, torch.float32, INTERP_BLOCKS), ("k8v4", 1, 4, 32, torch.float16, INTERP_BLOCKS),
+             ("int4", 2, 4, 64, torch.float32, INTERP_BLOCKS)]
+
+
 def main() -> None:
     """Run every interpreter case (TRITON_INTERPRET=1 must be set before triton is imported)."""
     import kvtier.kernels.paged_attention as pa
@@ -102,6 +106,15 @@ def main() -> None:
                 check_prefill(pa, case, use_sink, blocks)
             except AssertionError as e:
                 failures.append(f"{name} gqa={gqa} ps={ps} D={hd}: {e}")
+    for i, (name, gqa, ps, hd, qdt, blocks) in enumerate(ALT_CASES):  # negative ids: AltPages (staged host pages)
+        case = make_prefill_case(name, 2, gqa, ps, hd, LENS, SINKS, interp_dtype(name, qdt), "cpu", seed=50 + i)
+        base, alt = with_alt_pages(case.base, seed=60 + i)
+        case = PrefillCase(base, case.q, case.query_start_loc)
+        for use_sink in (False, True):
+            try:
+                check_prefill(pa, case, use_sink, blocks, alt=alt)
+            except AssertionError as e:
+                failures.append(f"{name} alt gqa={gqa} ps={ps} D={hd}: {e}")
     print("\n".join(failures) if failures else "ALL OK")
 
 

@@ -33,7 +33,11 @@ SEL_CASES = [(name, gqa, 4, 64 if (i + gqa) % 2 else 128, LENS, SINKS,
 SEL_CASES += [("k8v4", 2, 2, 64, [45, 5], [True, True], torch.float16, 12)]  # several tiles per split
 # (num_splits, with sinks, invalid entries as page_idx -1 instead of `valid`)
 SEL_RUNS = ((1, True, False), (3, True, True), (1, False, True))
-FOLD_FORMATS = ("int8", "k8v4")  # rotating, smoothed formats, folded (NativeDomain)
+FOLD_FORMATS = ("int8", "k8v4")
+# Lists naming alternate-source (host) pages by negative ids: (as SEL_CASES)
+ALT_SEL_CASES = [("fp32", 2, 4, 64, [37, 19], [True, True], torch.float32, 6),
+                 ("int8", 1, 4, 64, [41, 9], [True, False], torch.float16, 7),
+                 ("k8v4", 2, 4, 128, [29, 30], [False, True], torch.float32, 5)]  # rotating, smoothed formats, folded (NativeDomain)
 
 
 def main() -> None:
@@ -50,6 +54,15 @@ def main() -> None:
                 cases.check_selected(ra, case, sel, splits, use_sink, idx_only)
             except AssertionError as e:
                 failures.append(f"{name} gqa={gqa} D={hd}: {e}")
+    for i, (name, gqa, ps, hd, lens, sinks, qdt, n_sel) in enumerate(ALT_SEL_CASES):  # host pages: AltPages
+        case = cases.make_case(name, 2, gqa, ps, hd, lens, sinks, cases.interp_dtype(name, qdt), "cpu", seed=800 + i)
+        case, alt = cases.with_alt_pages(case, seed=900 + i)
+        sel = cases.make_selection(case, n_sel, seed=1000 + i)
+        for splits, use_sink, idx_only in SEL_RUNS:
+            try:
+                cases.check_selected(ra, case, sel, splits, use_sink, idx_only, alt=alt)
+            except AssertionError as e:
+                failures.append(f"{name} alt gqa={gqa} D={hd}: {e}")
     for i, name in enumerate(FOLD_FORMATS):
         case = cases.make_case(name, 2, 2, 4, 64, [21, 6], [True, False], torch.float32, "cpu", seed=400 + i)
         sel = cases.make_selection(case, 6, seed=500 + i)
