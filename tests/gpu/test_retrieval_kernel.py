@@ -211,11 +211,24 @@ def test_print_bandwidth() -> None:
 
 
 @pytest.mark.parametrize("name", ["bf16", "int8", "k8v4", "int4"])
+def test_selected_host_pages_in_place_match_reference(name: str) -> None:
+    """Lists naming pinned host pages (negative ids, AltPages) read them over the bus in place."""
+    from kvtier.kernels import retrieval_attention as ra
+    dtype = cases.compute_dtype(name, torch.bfloat16)
+    case = cases.make_case(name, 2, 4, PS, 128, [700, 90, 1500, 33], [True, False, True, True], dtype, "cuda",
+                           seed=31)
+    case, alt = cases.with_alt_pages(case, seed=32, alt_device="pinned")
+    sel = cases.make_selection(case, 24, seed=33)
+    for splits in (1, 5):
+        cases.check_selected(ra, case, sel, splits, use_sink=case.pool.fmt.quantized, alt=alt)
+
+
+@pytest.mark.parametrize("name", ["bf16", "int8", "k8v4", "int4"])
 @pytest.mark.parametrize("gqa", [1, 4])
 def test_backend_wired_to_kernel_matches_its_torch_path(name: str, gqa: int) -> None:
     """RetrievalAttention on CUDA attends through paged_decode_selected (kernel=None: on CUDA);
     the same step through its PyTorch path (kernel=False) gives the same rows."""
-    args = (name, 4, gqa, PS, 128, [700, 90, 1500, 33])
+    args = (name, 4, gqa, PS, 128, [700, 90, 1500, 330])
     kw = dict(budget=256, dtype=torch.bfloat16, device="cuda", seed=gqa)
     ref = cases.retrieval_step(*args, kernel=False, **kw)
     got = cases.retrieval_step(*args, kernel=True, **kw)
