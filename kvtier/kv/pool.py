@@ -81,7 +81,8 @@ class PagePool:
         shape = (num_layers, self.sink_slots, kv_heads, head_dim)
         self.sink_k = torch.zeros(shape, dtype=compute_dtype, device=self.device, pin_memory=sink_pin)
         self.sink_v = torch.zeros(shape, dtype=compute_dtype, device=self.device, pin_memory=sink_pin)
-        self.sink_slot = torch.full((num_pages,), -1, dtype=torch.long, device=self.device)  # page -> slot
+        # page -> slot; pinned with the rows, so the GPU kernels can read a host pool's table (kernel_alt)
+        self.sink_slot = torch.full((num_pages,), -1, dtype=torch.long, device=self.device, pin_memory=sink_pin)
         self._sink_of_page: OrderedDict[int, int] = OrderedDict()  # host mirror, oldest assignment first
         self._sink_free = list(range(self.sink_slots - 1, -1, -1))
         self._copy_stream: torch.cuda.Stream | None = None
@@ -171,6 +172,25 @@ class PagePool:
         """(sink_k, sink_v, sink_slot) of one layer, as the paged kernels take them; None for
         formats without sink rows."""
         return (self.sink_k[layer], self.sink_v[layer], self.sink_slot) if self.sink_slots else None
+
+    def kernel_alt(self, pool: "PagePool", layer: int):
+        """This pool's layer as the paged kernels' second page source for `pool`'s (AltPages: a
+        negative id -1 - h names page h here), or None when the kernels cannot read it in place:
+        it must be pinned host memory beside a CUDA pool of the same format and geometry, at a
+        whole number of rows from it (kernels/paged_attention.py alt_offsets)."""
+        from kvtier.kernels.paged_attention import HAVE_TRITON, AltPages, alt_offsets
+        if not HAVE_TRITON or pool.device.type != "cuda" or self.device.type != "cpu" \
+                or not self.compatible_with(pool):
+            return None
+        st = self.layers[layer]
+        if not all(t.is_pinned() for t in st.values()) or (self.sink_slots and not self.sink_slot.is_pinned()):
+            return None
+        alt = AltPages(st, self.kernel_sink(layer))
+        try:
+            alt_offsets(pool.layers[layer], pool.kernel_sink(layer), alt)
+        except ValueError:
+            return None
+        return alt
 
     def assign_sinks(self, pages: Sequence[int]) -> torch.Tensor | None:
         """Sink slots for pages whose row 0 is about to be written at sequence position 0.

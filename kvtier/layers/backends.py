@@ -64,6 +64,20 @@ class _KernelPlan:
     prefill: bool = False  # the varlen causal kernel (any rows per sequence) instead of decode
     max_new: int = 0  # prefill: the most new rows of one sequence (sizes the grid, no sync)
     sink: tuple[torch.Tensor, torch.Tensor] | None = None  # prefill: (rows at position 0, sink slots)
+    host: bool = False  # tables start with host-tier pages (negative ids): the kernels read them as AltPages
+    staged: "_Staged | None" = None  # prefill over host pages: what each layer copies up first
+
+
+@dataclass
+class _Staged:
+    """A prefill step's host-tier pages, copied up per layer before the kernel runs (each key
+    tile is read by every query tile of the chunk: read over the bus, that would be ~64x the
+    bytes). Entry j of the step's list goes to staging page j; the block table names it -1 - j."""
+
+    host_ids: torch.Tensor  # [n] host page ids, on the device
+    to: torch.Tensor  # [n] staging pages 0..n-1, on the device
+    table: torch.Tensor  # the step's block table with host entries renamed to staging pages
+    slots: torch.Tensor | None  # [n] the staged pages' sink slots in the host pool (quantized formats)
 
 
 # The plan of a step the paged kernels do not take (host-tier pages, hand-built metadata):
@@ -84,11 +98,14 @@ class TritonPagedAttention:
         """max_context: the engine's longest context. Split-K partitions are chosen from it (not
         from each step's lengths), so an eager step and a graph replay of the same step reduce
         in the same order and give the same bits."""
+        self.stage: dict[str, torch.Tensor] = {}  # prefill staging of host pages: name -> [1, cap, ...]
+        self.host_steps = 0  # steps whose kernels read host-tier pages (decode in place, prefill staged)
         self.store = store
         self.max_context = max_context
         self.scale = scale
         self.dense = DensePagedAttention(store, scale, host_store)
         self.native = self.dense.native  # attend in the stored (rotated) domain
+        self.attach_host_tier(host_store)
         props = torch.cuda.get_device_properties(torch.device(store.device))
         self.num_sms = props.multi_processor_count
         # The dense prefill path calls SDPA with a new (new rows, context) shape nearly every
@@ -98,6 +115,9 @@ class TritonPagedAttention:
 
     def attach_host_tier(self, host_store: object | None) -> None:
         self.dense.attach_host_tier(host_store)
+        # the kernels read host pages in place (decode) or from a staging copy (prefill) when the
+        # host pool is pinned and laid out as the pool is; else host steps go through the dense path
+        self.host_kernels = host_store is not None and host_store.kernel_alt(self.store, 0) is not None
 
     def pages_arrived(self, page_ids: list[int], from_host: list[int] | None = None) -> None:
         self.dense.pages_arrived(page_ids, from_host)
@@ -114,14 +134,24 @@ class TritonPagedAttention:
         """Once per step, before the layers: the split count of a decode step, the prefill
         kernel's plan (with sink rows), or DENSE for steps the paged kernels do not take."""
         if not for_graph and not self.graph_ready(meta):
-            if meta.block_table is None or meta.query_start_loc_t is None or _has_host_pages(meta):
+            host = _has_host_pages(meta)
+            if meta.block_table is None or meta.query_start_loc_t is None or (host and not self.host_kernels):
                 self.dense.plan(meta)
                 meta.step_cache[id(self)] = DENSE
-            else:
-                qsl = meta.query_start_loc
-                meta.step_cache[id(self)] = _KernelPlan(
-                    prefill=True, max_new=max(qsl[b + 1] - qsl[b] for b in range(meta.num_seqs)),
-                    sink=plan_sink_rows(self.store, meta, meta.slot_mapping.device))
+                return
+            qsl = meta.query_start_loc
+            max_new = max(qsl[b + 1] - qsl[b] for b in range(meta.num_seqs))
+            if host and max_new == 1 and all(n > 1 for n in meta.seq_lens):  # decode over host pages, in place
+                from kvtier.kernels.paged_attention import choose_num_splits
+                splits = choose_num_splits(meta.num_seqs, self.store.kv_heads, meta.max_seq_len,
+                                           self.store.page_size, self.num_sms)
+                meta.step_cache[id(self)] = _KernelPlan(splits, host=True)
+                self.host_steps += 1
+                return
+            self.host_steps += host
+            meta.step_cache[id(self)] = _KernelPlan(
+                prefill=True, max_new=max_new, sink=plan_sink_rows(self.store, meta, meta.slot_mapping.device),
+                host=host, staged=self._stage_plan(meta) if host else None)
             return
         from kvtier.kernels.paged_attention import choose_num_splits
         # batch rounded up to a power of two: the same for a step and the padded graph replaying it
@@ -144,20 +174,61 @@ class TritonPagedAttention:
         store.write(layer, meta.slot_mapping, k, v, sink=plan.sink)
         sink = store.kernel_sink(layer)
         fmt = store.fmt
+        table, alt = meta.block_table, None
+        if plan.staged is not None:
+            table, alt = plan.staged.table, self._stage_layer(layer, plan.staged)
+        elif plan.host:
+            alt = self.dense.host_store.kernel_alt(store, layer)  # type: ignore[union-attr]
         if not plan.prefill and self.native and fold_native_supported(q.shape[-1]):
             # decode: native_q / native_out folded into the kernels (two launches fewer a layer)
             native = NativeDomain(store.k_channel_scale[layer], fmt.rotate_k, fmt.rotate_v)
-            return paged_decode(q, store.layers[layer], fmt, meta.block_table, meta.seq_lens_t, self.scale,
-                                plan.num_splits, sink=sink, native=native)
+            return paged_decode(q, store.layers[layer], fmt, table, meta.seq_lens_t, self.scale,
+                                plan.num_splits, sink=sink, native=native, alt=alt)
         if self.native:
             q = store.native_q(layer, q)
         if plan.prefill:
-            o = paged_prefill(q, store.layers[layer], fmt, meta.block_table, meta.seq_lens_t,
-                              meta.query_start_loc_t, self.scale, sink=sink, max_new=plan.max_new)
+            o = paged_prefill(q, store.layers[layer], fmt, table, meta.seq_lens_t,
+                              meta.query_start_loc_t, self.scale, sink=sink, max_new=plan.max_new, alt=alt)
         else:
-            o = paged_decode(q, store.layers[layer], fmt, meta.block_table, meta.seq_lens_t,
-                             self.scale, plan.num_splits, sink=sink)
+            o = paged_decode(q, store.layers[layer], fmt, table, meta.seq_lens_t,
+                             self.scale, plan.num_splits, sink=sink, alt=alt)
         return store.native_out(o) if self.native else o
+
+    def _stage_plan(self, meta: AttentionMetadata) -> _Staged:
+        """The host pages of a prefill step (each table's negative head), in one list, and the
+        block table that names staging page j as -1 - j; staging grown to hold them."""
+        dev = meta.block_table.device
+        host_ids: list[int] = []
+        table = meta.block_table.clone()
+        for b, pt in enumerate(meta.page_tables):
+            n = next((i for i, p in enumerate(pt) if p >= 0), len(pt))
+            if n:
+                table[b, :n] = -1 - torch.arange(len(host_ids), len(host_ids) + n, dtype=table.dtype).to(dev)
+                host_ids.extend(-1 - p for p in pt[:n])
+        host = self.dense.host_store
+        ids = torch.tensor(host_ids, dtype=torch.long)
+        cap = self.stage[next(iter(self.stage))].shape[1] if self.stage else 0
+        if len(host_ids) > cap:  # grown to the next power of two: few reallocations as contexts grow
+            cap = 1 << (len(host_ids) - 1).bit_length()
+            self.stage = {}  # freed before the larger one is allocated
+            self.stage = {name: torch.empty((1, cap, *t.shape[2:]), dtype=t.dtype, device=dev)
+                          for name, t in host.storage.items()}  # type: ignore[union-attr]
+        slots = host.sink_slot.index_select(0, ids).to(dev, non_blocking=True) if host.sink_slots else None  # type: ignore[union-attr]
+        ids_dev = ids.to(dev, non_blocking=True)
+        return _Staged(ids_dev, torch.arange(len(host_ids), device=dev), table, slots)
+
+    def _stage_layer(self, layer: int, staged: _Staged):
+        """Copy one layer of the step's host pages up (one page-copy launch per tensor) -> their AltPages."""
+        from kvtier.kernels import page_copy
+        from kvtier.kernels.paged_attention import AltPages
+        host = self.dense.host_store
+        n = staged.host_ids.numel()
+        for name, t in host.storage.items():  # type: ignore[union-attr]
+            page_copy.copy_pages(t[layer:layer + 1], self.stage[name], staged.host_ids, staged.to)
+        sink = None
+        if staged.slots is not None:
+            sink = (host.sink_k[layer], host.sink_v[layer], staged.slots)  # type: ignore[union-attr]
+        return AltPages({name: t[0, :max(n, 1)] for name, t in self.stage.items()}, sink)
 
 
 def _has_host_pages(meta: AttentionMetadata) -> bool:

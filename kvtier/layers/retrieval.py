@@ -77,9 +77,14 @@ class RetrievalAttention:
         self.sink_pages, _, self.budget_pages = config.page_counts(store.page_size)
         self.dense = DensePagedAttention(store, scale, host_store)
         self.native = self.dense.native
+        self.kernel = (store.device.type == "cuda") if kernel is None else kernel
+        # steps where no row selects (prefill chunks, contexts under the budget): the paged kernels on CUDA
+        self.full = self.dense
+        if self.kernel and store.device.type == "cuda":
+            from kvtier.layers.backends import TritonPagedAttention
+            self.full = TritonPagedAttention(store, scale, host_store)
         self.summaries = summaries if summaries is not None else PageSummaries.for_pool(store)
         self.record = record
-        self.kernel = (store.device.type == "cuda") if kernel is None else kernel
         self.num_sms = (torch.cuda.get_device_properties(store.device).multi_processor_count
                         if store.device.type == "cuda" else 4)
         self.host_summaries: PageSummaries | None = None
@@ -88,10 +93,16 @@ class RetrievalAttention:
         self.mass_log: list[torch.Tensor] = []
         self.last_selection: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # layer -> (idx, valid)
         self.retrieved_rows = 0  # decode rows (x layers) that attended to a selection
+        self.in_place_host_rows = 0  # ... of them through the kernel, host pages read over the bus
 
     def attach_host_tier(self, host_store: object | None) -> None:
         self.dense.attach_host_tier(host_store)
+        if self.full is not self.dense:
+            self.full.attach_host_tier(host_store)
         self.host_store = host_store
+        # the selected-pages kernel reads chosen host pages over the bus, in place (AltPages)
+        self.host_in_place = (self.kernel and host_store is not None
+                              and host_store.kernel_alt(self.store, 0) is not None)  # type: ignore[attr-defined]
         if host_store is None:
             self.host_summaries = self.host_cache = None
             return
@@ -160,7 +171,7 @@ class RetrievalAttention:
             plan = meta.step_cache[id(self)] = self._plan(meta)
         self.summaries.update(layer, meta.slot_mapping, k)
         if plan.sel is None:
-            return self.dense.forward(layer, q, k, v, meta)
+            return self.full.forward(layer, q, k, v, meta)
         self.store.write(layer, meta.slot_mapping, k, v, sink=plan.sink)
         out = torch.empty_like(q)
         if plan.rest_meta is not None:
@@ -176,7 +187,7 @@ class RetrievalAttention:
         qsl, budget = meta.query_start_loc, self.config.budget
         sel = [b for b in range(meta.num_seqs) if qsl[b + 1] - qsl[b] == 1 and meta.seq_lens[b] > budget]
         if not sel:
-            self.dense.plan(meta)
+            self.full.plan(meta)
             return _RetrievalPlan()
         device = meta.slot_mapping.device
         plan = _RetrievalPlan(sink=plan_sink_rows(self.store, meta, device))
@@ -267,7 +278,7 @@ class RetrievalAttention:
     def _retrieve(self, layer: int, q: torch.Tensor, sel: "_Selection") -> torch.Tensor:
         """q: [R, Hq, D] (one decode row per selected sequence) -> [R, Hq, D]."""
         idx, ids, valid = self.select(layer, q, sel)
-        if self.kernel and not sel.has_host and not self.record:
+        if self.kernel and not self.record and (not sel.has_host or self.host_in_place):
             self.retrieved_rows += q.shape[0]
             return self._retrieve_kernel(layer, q, sel, idx, ids, valid)
         r, hkv, n_sel = idx.shape
@@ -302,8 +313,10 @@ class RetrievalAttention:
             native = NativeDomain(store.k_channel_scale[layer], fmt.rotate_k, fmt.rotate_v)
         elif self.native:
             q = store.native_q(layer, q)
+        alt = self.host_store.kernel_alt(store, layer) if sel.has_host else None  # type: ignore[union-attr]
+        self.in_place_host_rows += r if alt is not None else 0
         o = paged_decode_selected(q, store.layers[layer], fmt, ids, page_idx, None, sel.ctx, self.scale, splits,
-                                  sink=sink, native=native)
+                                  sink=sink, native=native, alt=alt)
         return store.native_out(o) if self.native and native is None else o
 
     def _read(self, layer: int, ids: torch.Tensor, idx: torch.Tensor, starts: torch.Tensor,
