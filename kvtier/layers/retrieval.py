@@ -256,14 +256,14 @@ class RetrievalAttention:
         pad = sel.cand_idx[:, None, :] < 0
         if self.config.selector == "hybrid":  # half the picks by the Quest bound, the rest by centroid
             k1 = sel.k // 2
-            s1 = page_scores("quest", qg, self.summaries, layer, sel.cand_ids, self.host_summaries)
+            s1 = page_scores("quest", qg, self.summaries, layer, sel.cand_ids, self.host_summaries, self.kernel)
             top1 = s1.masked_fill(pad, float("-inf")).topk(k1, dim=-1).indices
             s2 = page_scores("centroid", qg, self.summaries, layer, sel.cand_ids, self.host_summaries)
             s2 = s2.masked_fill(pad, float("-inf")).scatter(-1, top1, float("-inf"))
             top = torch.cat([top1, s2.topk(sel.k - k1, dim=-1).indices], dim=-1)  # [R, Hkv, K]
         else:
             scores = page_scores(self.config.selector, qg, self.summaries, layer, sel.cand_ids,
-                                 self.host_summaries)  # [R, Hkv, C]
+                                 self.host_summaries, self.kernel)  # [R, Hkv, C]
             top = scores.masked_fill(pad, float("-inf")).topk(sel.k, dim=-1).indices  # [R, Hkv, K]
         c = sel.cand_idx.shape[1]
         top_idx = sel.cand_idx[:, None, :].expand(r, hkv, c).gather(-1, top)
@@ -494,13 +494,20 @@ def summary_rows(summaries: PageSummaries, host: PageSummaries | None, name: str
 
 
 def page_scores(selector: str, qg: torch.Tensor, summaries: PageSummaries, layer: int,
-                cand_ids: torch.Tensor, host: PageSummaries | None = None) -> torch.Tensor:
+                cand_ids: torch.Tensor, host: PageSummaries | None = None, kernel: bool = False) -> torch.Tensor:
     """qg: [R, Hkv, g, D] fp32 raw queries; cand_ids: [R, C] pages (negative: host tier, whose
     summaries are `host`) -> scores [R, Hkv, C].
 
     Pages with no summary (never written in this pool) score +inf: chosen first, never missed.
+    kernel: the Quest selectors through kernels/retrieval_attention.py quest_scores (one launch,
+    no gathered copies of the summaries; power-of-two head_dim).
     """
-    r, hkv = qg.shape[:2]
+    r, hkv, d = qg.shape[0], qg.shape[1], qg.shape[-1]
+    if kernel and selector in ("quest", "quest-max") and d & (d - 1) == 0:
+        from kvtier.kernels.retrieval_attention import quest_scores
+        rows = lambda t: (t.kmin[layer], t.kmax[layer], t.count[layer])  # noqa: E731
+        return quest_scores(qg, rows(summaries), cand_ids, selector == "quest-max",
+                            rows(host) if host is not None else None)
     rows = lambda name: summary_rows(summaries, host, name, layer, cand_ids)  # noqa: E731
     count = rows("count")  # [R, C]
     if selector in ("meankey", "centroid"):
