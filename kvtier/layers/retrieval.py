@@ -209,42 +209,66 @@ class RetrievalAttention:
         return plan
 
     def _selection_tables(self, meta: AttentionMetadata, sel: list[int], device: torch.device) -> "_Selection":
-        """Per selected row: fixed pages (sink + window) and candidate pages, padded into tensors."""
+        """Per selecting row: fixed pages (sink + window + pinned) and candidate pages, as device
+        tensors of shapes fixed by the config and the block-table width (not by the contexts),
+        computed on the device from the planner's block table and lengths: no per-page Python.
+
+            page index:  0 .. n_sink-1 | n_sink ........... w0-1 | w0 ...... n-1
+                         sink (fixed)  | candidates (pinned: fixed) | window (fixed)
+
+        n = ceil(ctx / S), n_sink = min(sink pages, n), w0 = max(n_sink, (ctx - window) // S).
+        Candidates are every block-table column, masked; each row takes top_k[r] = budget pages -
+        its fixed pages of them, at most `k` (the budget less the fewest fixed pages of a row past
+        the budget)."""
         ps, window = self.store.page_size, max(self.config.window, 1)
-        pinned_all = meta.pinned_pages
-        fixed, cands, ks, ctxs = [], [], [], []
-        for b in sel:
-            ctx = meta.seq_lens[b]
-            n = -(-ctx // ps)
-            n_sink = min(self.sink_pages, n)
-            w0 = max(n_sink, (ctx - window) // ps)  # first window page
-            pinned = [i for i in (pinned_all[b] if pinned_all else ()) if n_sink <= i < w0]
-            fixed.append(list(range(n_sink)) + pinned + list(range(w0, n)))
-            taken = set(pinned)
-            cands.append([i for i in range(n_sink, w0) if i not in taken])
-            ks.append(max(self.budget_pages - len(fixed[-1]), 0))  # admission keeps pinned within budget
-            ctxs.append(ctx)
-        r, f, c = len(sel), max(map(len, fixed)), max(map(len, cands))
-        k = max(ks)
-        fixed_idx = torch.full((r, f), -1, dtype=torch.long)
-        cand_idx = torch.full((r, c), -1, dtype=torch.long)
-        for i, b in enumerate(sel):
-            fixed_idx[i, :len(fixed[i])] = torch.tensor(fixed[i], dtype=torch.long)
-            cand_idx[i, :len(cands[i])] = torch.tensor(cands[i], dtype=torch.long)
-        table = torch.zeros(r, max(-(-x // ps) for x in ctxs), dtype=torch.long)
-        for i, b in enumerate(sel):
-            pt = meta.page_tables[b][:-(-ctxs[i] // ps)]
-            table[i, :len(pt)] = torch.tensor(pt, dtype=torch.long)
-        fixed_ids = table.gather(1, fixed_idx.clamp_min(0))
-        cand_ids = table.gather(1, cand_idx.clamp_min(0))
-        hkv, n_sel = self.store.kv_heads, f + k
-        to = lambda t: t.to(device, non_blocking=True)  # noqa: E731
+        sink_pages, window_pages, budget_pages = self.config.page_counts(ps)
+        if meta.block_table is not None and meta.seq_lens_t is not None:
+            rows_t = torch.tensor(sel, dtype=torch.long).to(device, non_blocking=True)
+            bt = meta.block_table.index_select(0, rows_t).long()
+            ctx = meta.seq_lens_t.index_select(0, rows_t).long()
+        else:  # metadata built by hand (tests, evals): the same tables from the Python lists
+            width = max(-(-meta.seq_lens[b] // ps) for b in sel)
+            bt = torch.zeros(len(sel), width, dtype=torch.long)
+            for i, b in enumerate(sel):
+                pt = meta.page_tables[b][:width]
+                bt[i, :len(pt)] = torch.tensor(pt, dtype=torch.long)
+            bt = bt.to(device, non_blocking=True)
+            ctx = torch.tensor([meta.seq_lens[b] for b in sel], dtype=torch.long).to(device, non_blocking=True)
+        r, width = bt.shape
+        n = (ctx + ps - 1) // ps
+        n_sink = n.clamp(max=sink_pages)
+        w0 = torch.maximum(n_sink, torch.div(ctx - window, ps, rounding_mode="floor"))
+        cols = torch.arange(width, device=device)
+        sink_idx = torch.arange(sink_pages, device=device).expand(r, -1)
+        sink_idx = torch.where(sink_idx < n_sink[:, None], sink_idx, -1)
+        win_idx = w0[:, None] + torch.arange(window_pages, device=device)
+        win_idx = torch.where(win_idx < n[:, None], win_idx, -1)
+        cand = (cols >= n_sink[:, None]) & (cols < w0[:, None])  # [R, width]
+        parts = [sink_idx, win_idx]
+        lists = meta.pinned_pages
+        if lists and any(lists[b] for b in sel):  # pinned pages between the sink and the window: fixed
+            most = max(len(lists[b]) for b in sel)
+            pin = torch.full((r, most), -1, dtype=torch.long)
+            for i, b in enumerate(sel):
+                pin[i, :len(lists[b])] = torch.tensor(lists[b], dtype=torch.long)
+            pin = pin.to(device, non_blocking=True)
+            ok = (pin >= n_sink[:, None]) & (pin < w0[:, None])
+            pin = torch.where(ok, pin, -1)
+            parts.append(pin)
+            taken = torch.zeros(r, width + 1, dtype=torch.bool, device=device)
+            taken.scatter_(1, (pin + 1).clamp_min(0), True)  # column 0 collects the padding
+            cand &= ~taken[:, 1:]
+        fixed_idx = torch.cat(parts, dim=1)  # [R, F]
+        top_k = (budget_pages - (fixed_idx >= 0).sum(1)).clamp_min(0)  # admission keeps pinned within budget
+        k = max(0, min(width, budget_pages - sink_pages - (window_pages - 1)))
+        cand_idx = torch.where(cand, cols, -1)
+        hkv, n_sel = self.store.kv_heads, fixed_idx.shape[1] + k
         return _Selection(
-            rows=to(torch.tensor([meta.query_start_loc[b] for b in sel], dtype=torch.long)),
-            ctx=to(torch.tensor(ctxs, dtype=torch.long)), fixed_idx=to(fixed_idx), fixed_ids=to(fixed_ids),
-            cand_idx=to(cand_idx), cand_ids=to(cand_ids), top_k=to(torch.tensor(ks, dtype=torch.long)),
-            k=k, table=to(table), starts=to(torch.arange(r * hkv, dtype=torch.long) * n_sel),
-            has_host=bool((table < 0).any()))
+            rows=torch.tensor([meta.query_start_loc[b] for b in sel], dtype=torch.long).to(device, non_blocking=True),
+            ctx=ctx, fixed_idx=fixed_idx, fixed_ids=bt.gather(1, fixed_idx.clamp_min(0)),
+            cand_idx=cand_idx, cand_ids=bt, top_k=top_k, k=k, table=bt,
+            starts=torch.arange(r * hkv, dtype=torch.long, device=device) * n_sel,
+            has_host=any(meta.page_tables[b][0] < 0 for b in sel))  # host pages head a table
 
     # -- per layer --------------------------------------------------------------------------------
 
@@ -462,13 +486,13 @@ class _Selection:
 
     rows: torch.Tensor  # [R] packed row of each selecting sequence's decode token
     ctx: torch.Tensor  # [R] its context length (keys 0..ctx-1)
-    fixed_idx: torch.Tensor  # [R, F] sink + window page indices (-1: padding)
+    fixed_idx: torch.Tensor  # [R, F] sink + window (+ pinned) page indices (-1: none)
     fixed_ids: torch.Tensor  # [R, F] their pool page ids
-    cand_idx: torch.Tensor  # [R, C] candidate page indices (-1: padding)
+    cand_idx: torch.Tensor  # [R, C] candidate page indices (-1: not a candidate), C = table width
     cand_ids: torch.Tensor  # [R, C] their pool page ids
     top_k: torch.Tensor  # [R] candidates each row may take (budget pages - fixed pages)
-    k: int  # max(top_k)
-    table: torch.Tensor  # [R, n_pages max] the full page tables (mass recording)
+    k: int  # >= max(top_k), from the config and table width only
+    table: torch.Tensor  # [R, C] the page tables (block-table rows; mass recording)
     starts: torch.Tensor  # [R * Hkv] position of page 0 in the flattened selection (sink rows)
     has_host: bool = False  # some selecting sequence has host-tier pages
 
