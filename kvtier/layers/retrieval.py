@@ -217,17 +217,19 @@ class RetrievalAttention:
                          sink (fixed)  | candidates (pinned: fixed) | window (fixed)
 
         n = ceil(ctx / S), n_sink = min(sink pages, n), w0 = max(n_sink, (ctx - window) // S).
-        Candidates are every block-table column, masked; each row takes top_k[r] = budget pages -
+        Candidates are every table column, masked; each row takes top_k[r] = budget pages -
         its fixed pages of them, at most `k` (the budget less the fewest fixed pages of a row past
         the budget)."""
         ps, window = self.store.page_size, max(self.config.window, 1)
         sink_pages, window_pages, budget_pages = self.config.page_counts(ps)
+        # candidates: the columns up to the step's longest selecting table (a captured step
+        # would take the whole block-table width instead)
+        width = max(-(-meta.seq_lens[b] // ps) for b in sel)
         if meta.block_table is not None and meta.seq_lens_t is not None:
             rows_t = torch.tensor(sel, dtype=torch.long).to(device, non_blocking=True)
-            bt = meta.block_table.index_select(0, rows_t).long()
+            bt = meta.block_table.index_select(0, rows_t)[:, :width].long()
             ctx = meta.seq_lens_t.index_select(0, rows_t).long()
         else:  # metadata built by hand (tests, evals): the same tables from the Python lists
-            width = max(-(-meta.seq_lens[b] // ps) for b in sel)
             bt = torch.zeros(len(sel), width, dtype=torch.long)
             for i, b in enumerate(sel):
                 pt = meta.page_tables[b][:width]
