@@ -111,8 +111,9 @@ def run_grid(a: argparse.Namespace, config: EngineConfig) -> int:
         run_batch(engine, [synthetic_ids(64, spec.vocab_size, 3)], 8)  # warm-up
         for ctx in contexts:
             for b in batches:
-                if b * (ctx + a.gen_tokens) > engine.manager.num_gpu_pages * cfg.cache.page_size:
-                    console.print(f"[yellow]skip {kv} ctx {ctx} batch {b}: pool too small[/]")
+                if b * (ctx + a.gen_tokens) > engine.manager.num_gpu_pages * cfg.cache.page_size \
+                        and engine.host_pool is None:  # with a host tier, the rest lives there
+                    console.print(f"[yellow]skip {kv} ctx {ctx} batch {b}: pool too small (no host tier)[/]")
                     continue
                 if b > 1 and b * ctx > a.grid_max_tokens:
                     console.print(f"[dim]skip {kv} ctx {ctx} batch {b}: over --grid-max-tokens[/]")

@@ -51,3 +51,20 @@ def test_grid_bench_rows(tmp_path):
     assert {(r[1].strip(), r[2].strip(), r[3].strip()) for r in rows} == {
         (kv, c, b) for kv in ("fp32", "int8") for c in ("40", "70") for b in ("1", "2")}
     assert all(float(r[6]) > 0 and r[7].strip().endswith("%") for r in rows)
+
+
+def test_grid_bench_past_the_pool_with_a_host_tier(tmp_path):
+    """With a host tier, contexts longer than the compute pool run (the issue-12 table), here with
+    retrieval past a small budget; without one they are skipped."""
+    out = tmp_path / "grid.md"
+    args = ["bench", "--shape", "llama-tiny", "--contexts", "64,12000", "--batches", "1", "--kv-dtypes", "int8",
+            "--gen-tokens", "4", "--no-hf", "--page-size", "16", "--gpu-kv-mib", "1", "--kvmem-budget", "128",
+            "--kvmem-window", "32",
+            "--out", str(out)]
+    assert main(args + ["--host-kv-mib", "8"]) == 0
+    rows = [ln.split("|")[1:-1] for ln in out.read_text().splitlines() if ln.startswith("| kvtier")]
+    assert {r[2].strip() for r in rows} == {"64", "12000"}
+    out.unlink()
+    assert main(args) == 0
+    rows = [ln.split("|")[1:-1] for ln in out.read_text().splitlines() if ln.startswith("| kvtier")]
+    assert {r[2].strip() for r in rows} == {"64"}
