@@ -173,6 +173,12 @@ class PagePool:
         formats without sink rows."""
         return (self.sink_k[layer], self.sink_v[layer], self.sink_slot) if self.sink_slots else None
 
+    def kernel_alts(self, pool: "PagePool") -> list | None:
+        """kernel_alt of every layer (fixed for the pools' lifetime: callers keep the list), or None
+        when the kernels cannot read this pool in place."""
+        alts = [self.kernel_alt(pool, layer) for layer in range(self.num_layers)]
+        return alts if all(a is not None for a in alts) else None
+
     def kernel_alt(self, pool: "PagePool", layer: int):
         """This pool's layer as the paged kernels' second page source for `pool`'s (AltPages: a
         negative id -1 - h names page h here), or None when the kernels cannot read it in place:

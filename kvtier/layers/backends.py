@@ -117,7 +117,8 @@ class TritonPagedAttention:
         self.dense.attach_host_tier(host_store)
         # the kernels read host pages in place (decode) or from a staging copy (prefill) when the
         # host pool is pinned and laid out as the pool is; else host steps go through the dense path
-        self.host_kernels = host_store is not None and host_store.kernel_alt(self.store, 0) is not None
+        self.host_alts = host_store.kernel_alts(self.store) if host_store is not None else None
+        self.host_kernels = self.host_alts is not None
 
     def pages_arrived(self, page_ids: list[int], from_host: list[int] | None = None) -> None:
         self.dense.pages_arrived(page_ids, from_host)
@@ -178,7 +179,7 @@ class TritonPagedAttention:
         if plan.staged is not None:
             table, alt = plan.staged.table, self._stage_layer(layer, plan.staged)
         elif plan.host:
-            alt = self.dense.host_store.kernel_alt(store, layer)  # type: ignore[union-attr]
+            alt = self.host_alts[layer]  # type: ignore[index]
         if not plan.prefill and self.native and fold_native_supported(q.shape[-1]):
             # decode: native_q / native_out folded into the kernels (two launches fewer a layer)
             native = NativeDomain(store.k_channel_scale[layer], fmt.rotate_k, fmt.rotate_v)

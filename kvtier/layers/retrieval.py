@@ -101,8 +101,9 @@ class RetrievalAttention:
             self.full.attach_host_tier(host_store)
         self.host_store = host_store
         # the selected-pages kernel reads chosen host pages over the bus, in place (AltPages)
-        self.host_in_place = (self.kernel and host_store is not None
-                              and host_store.kernel_alt(self.store, 0) is not None)  # type: ignore[attr-defined]
+        self.host_alts = (host_store.kernel_alts(self.store)  # type: ignore[attr-defined]
+                          if self.kernel and host_store is not None else None)
+        self.host_in_place = self.host_alts is not None
         if host_store is None:
             self.host_summaries = self.host_cache = None
             return
@@ -339,7 +340,7 @@ class RetrievalAttention:
             native = NativeDomain(store.k_channel_scale[layer], fmt.rotate_k, fmt.rotate_v)
         elif self.native:
             q = store.native_q(layer, q)
-        alt = self.host_store.kernel_alt(store, layer) if sel.has_host else None  # type: ignore[union-attr]
+        alt = self.host_alts[layer] if sel.has_host else None  # type: ignore[index]
         self.in_place_host_rows += r if alt is not None else 0
         o = paged_decode_selected(q, store.layers[layer], fmt, ids, page_idx, None, sel.ctx, self.scale, splits,
                                   sink=sink, native=native, alt=alt)
