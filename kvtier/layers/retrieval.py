@@ -310,13 +310,20 @@ class RetrievalAttention:
             return self._retrieve_kernel(layer, q, sel, idx, ids, valid)
         r, hkv, n_sel = idx.shape
         ps, d = self.store.page_size, q.shape[-1]
+        qn = self.store.native_q(layer, q) if self.native else q
+        if not sel.has_host and not self.record:  # each kv head reads only its own pages (as the kernel)
+            from kvtier.kernels.retrieval_attention import paged_decode_selected_reference
+            o = paged_decode_selected_reference(qn, self.store.layers[layer], self.store.fmt, ids,
+                                                torch.where(valid, idx, -1), None, sel.ctx, self.scale,
+                                                sink=self.store.kernel_sink(layer))
+            self.retrieved_rows += r
+            return self.store.native_out(o) if self.native else o
         kp, vp = self._read(layer, ids.reshape(-1), idx.reshape(-1), sel.starts)  # [R*Hkv*n, Hkv, ps, D]
         # keep kv head h's rows of the pages head h chose: the diagonal over (list head, page head)
         kk = kp.view(r, hkv, n_sel, hkv, ps, d).diagonal(dim1=1, dim2=3).permute(0, 4, 1, 2, 3)
         vv = vp.view(r, hkv, n_sel, hkv, ps, d).diagonal(dim1=1, dim2=3).permute(0, 4, 1, 2, 3)
         pos = idx[..., None] * ps + torch.arange(ps, device=q.device)  # [R, Hkv, n_sel, ps]
         mask = (valid[..., None] & (pos < sel.ctx[:, None, None, None])).reshape(r, hkv, n_sel * ps)
-        qn = self.store.native_q(layer, q) if self.native else q
         o = attend_selected(qn, kk.reshape(r, hkv, n_sel * ps, d), vv.reshape(r, hkv, n_sel * ps, d),
                             mask, self.scale)
         self.retrieved_rows += r
