@@ -71,16 +71,15 @@ class PageSummaries:
         pages = torch.div(slots, self.page_size, rounding_mode="floor")
         first = slots.remainder(self.page_size) == 0
         kmin, kmax, ksum, count = self.kmin[layer], self.kmax[layer], self.ksum[layer], self.count[layer]
-        # reset the pages whose row 0 is written now (their previous occupant's rows are gone);
-        # index_put_ with a mask-selected index: no host sync for the mask on CUDA via where()
-        reset = torch.where(first, pages, torch.full_like(pages, -1))
+        # a page whose row 0 is written now starts over (its previous occupant's rows are gone): which
+        # rows' pages those are, through a per-page flag (no host sync for the mask on CUDA)
         hit = torch.zeros(self.num_pages + 1, dtype=torch.bool, device=pages.device)
-        hit.index_fill_(0, reset + 1, True)  # slot 0 collects the "no reset" rows
-        hit = hit[1:]
-        kmin.masked_fill_(hit[:, None, None], float("inf"))
-        kmax.masked_fill_(hit[:, None, None], float("-inf"))
-        ksum.masked_fill_(hit[:, None, None], 0.0)
-        count.masked_fill_(hit, 0)
+        hit.index_fill_(0, torch.where(first, pages, torch.full_like(pages, -1)) + 1, True)  # 0: no reset
+        reset = hit[1:].index_select(0, pages)  # [T]
+        # only the written pages are read and rewritten (the whole layer's summaries were, per step)
+        for field, empty in ((kmin, float("inf")), (kmax, float("-inf")), (ksum, 0.0)):
+            field.index_copy_(0, pages, field.index_select(0, pages).masked_fill(reset[:, None, None], empty))
+        count.index_copy_(0, pages, count.index_select(0, pages).masked_fill(reset, 0))
         flat = k.reshape(k.shape[0], -1).float()  # [T, Hkv * D]
         idx = pages[:, None].expand_as(flat)
         kmin.view(self.num_pages, -1).scatter_reduce_(0, idx, flat, "amin", include_self=True)
