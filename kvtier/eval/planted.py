@@ -153,10 +153,7 @@ def _write(pool: PagePool, summaries: PageSummaries, start: int, k: torch.Tensor
 
 
 def main(args: argparse.Namespace) -> int:
-    from rich.console import Console
-    from rich.table import Table
-
-    from kvtier.eval.recall import to_markdown
+    from kvtier.eval.recall import print_table
 
     dev = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     margins = [float(x) for x in args.margins.split(",")]
@@ -171,12 +168,7 @@ def main(args: argparse.Namespace) -> int:
     title = (f"planted needles: {args.kv_heads} kv heads x {args.gqa}, head_dim {args.head_dim}, {args.kv_dtype} KV, "
              f"budget {args.budget} (sink {args.sink}, window {args.window}, page {args.page_size}), "
              f"{args.trials} trials x {args.kv_heads} heads, {dev}")
-    out = Table(title=title)
-    for h in table[0]:
-        out.add_column(h)
-    for r in table[1:]:
-        out.add_row(*r)
-    Console().print(out)
+    md = print_table(title, table)
     if args.markdown:
-        args.markdown.write_text(f"### {title}\n\n{to_markdown(table)}\n")
+        args.markdown.write_text(md + "\n")
     return 0

@@ -266,6 +266,19 @@ def to_markdown(table: list[list[str]]) -> str:
     return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows])
 
 
+def print_table(title: str, table: list[list[str]], console=None) -> str:
+    """Print a header row + rows as a rich table; -> the same as a markdown section (title as ###)."""
+    from rich.console import Console
+    from rich.table import Table
+    out = Table(title=title)
+    for h in table[0]:
+        out.add_column(h)
+    for r in table[1:]:
+        out.add_row(*r)
+    (console or Console()).print(out)
+    return f"### {title}\n\n{to_markdown(table)}"
+
+
 def load(model: str, device: str, dtype: str):
     """(Decoder, Tokenizer) with dense weights on `device` ("auto": CUDA when present)."""
     from kvtier.models.decoder import Decoder
@@ -281,9 +294,6 @@ def load(model: str, device: str, dtype: str):
 
 
 def main(args: argparse.Namespace) -> int:
-    from rich.console import Console
-    from rich.table import Table
-
     selectors = [s for s in args.selectors.split(",") if s]
     model, tok = load(args.model, args.device, args.dtype)
     lengths = [int(x) for x in args.lengths.split(",")]
@@ -297,14 +307,7 @@ def main(args: argparse.Namespace) -> int:
     fmt = args.prompt_format if args.prompt_format != "auto" else ("chat" if chat_frame(tok) else "raw")
     title = (f"{args.model}: passkey recall ({fmt} prompts), budget {args.budget} (sink {args.sink}, "
              f"window {args.window}, page {args.page_size}){'; (mean selected mass)' if args.mass else ''}")
-    md = [f"### {title}", "", to_markdown(table)]
-    out = Table(title=title)
-    for h in table[0]:
-        out.add_column(h)
-    for r in table[1:]:
-        out.add_row(*r)
-    console = Console()
-    console.print(out)
+    md = [print_table(title, table)]
     if args.fidelity_tokens:
         from kvtier.engine.calibrate import prose_text
         tokens = tok.encode(prose_text())[:max(lengths) + args.fidelity_tokens]
@@ -314,13 +317,7 @@ def main(args: argparse.Namespace) -> int:
             [f.method, f"{f.mean_kl:.3e}", f"{100 * f.top1_agree:.1f}%", "-" if f.mass is None else f"{f.mass:.3f}"]
             for f in fid]
         ftitle = f"natural text: {len(tokens) - args.fidelity_tokens} tokens, {args.fidelity_tokens} teacher-forced"
-        t2 = Table(title=ftitle)
-        for h in ft[0]:
-            t2.add_column(h)
-        for r in ft[1:]:
-            t2.add_row(*r)
-        console.print(t2)
-        md += ["", f"### {ftitle}", "", to_markdown(ft)]
+        md += ["", print_table(ftitle, ft)]
     if args.markdown:
         args.markdown.write_text("\n".join(md) + "\n")
     return 0
