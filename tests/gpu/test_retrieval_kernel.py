@@ -75,7 +75,7 @@ def test_kernel_matches_retrieval_backend(name: str, gqa: int) -> None:
                                 device="cuda", seed=gqa)
     pool, sel = step.pool, step.sel
     assert step.q.shape[0] == 3  # ctx 300 stays dense
-    sink = (pool.sink_k[0], pool.sink_v[0], pool.sink_slot) if pool.sink_slots else None
+    sink = pool.kernel_sink(0)
     native = NativeDomain(pool.k_channel_scale[0], pool.fmt.rotate_k, pool.fmt.rotate_v) if pool.rotated else None
     for splits in (1, ra.selected_num_splits(3, 2, sel.page_ids.shape[-1], PS, _num_sms())):
         got = ra.paged_decode_selected(step.q, pool.layers[0], pool.fmt, sel.page_ids, sel.page_idx, sel.valid,

@@ -80,7 +80,7 @@ def make_case(name: str, kv_heads: int, gqa: int, page_size: int, head_dim: int,
     firsts = [int(table[b, 0]) for b, s in enumerate(with_sink) if s]
     if pool.sink_slots:  # quantized formats: the pool's own sink tensors and page -> slot map
         slots = pool.assign_sinks(firsts)
-        sink_k, sink_v, sink_slot = pool.sink_k[0], pool.sink_v[0], pool.sink_slot
+        sink_k, sink_v, sink_slot = pool.kernel_sink(0)
     else:
         slots = torch.randperm(NUM_SLOTS, generator=g)[:len(firsts)].to(device)
         sink_k = torch.zeros(NUM_SLOTS, kv_heads, head_dim, dtype=dtype, device=device)

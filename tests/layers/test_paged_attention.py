@@ -48,7 +48,7 @@ def engine_and_reference(name: str, dtype: torch.dtype, seed: int) -> tuple[torc
     table = torch.zeros(len(TABLES), max(map(len, TABLES)), dtype=torch.int32)
     for b, pt in enumerate(TABLES):
         table[b, :len(pt)] = torch.tensor(pt)
-    sink = (pool.sink_k[0], pool.sink_v[0], pool.sink_slot) if pool.sink_slots else None
+    sink = pool.kernel_sink(0)
     if sink is not None:
         assert bool((pool.sink_slot[table[:, 0].long()] >= 0).all())  # the prefill kept every row 0
     qn = pool.native_q(0, q1) if att.native else q1

@@ -58,7 +58,7 @@ def engine_and_reference(name: str, dtype: torch.dtype, seed: int) -> tuple[torc
     table = torch.zeros(len(TABLES), max(map(len, TABLES)), dtype=torch.int32)
     for b, pt in enumerate(TABLES):
         table[b, :len(pt)] = torch.tensor(pt)
-    sink = (pool.sink_k[0], pool.sink_v[0], pool.sink_slot) if pool.sink_slots else None
+    sink = pool.kernel_sink(0)
     if sink is not None:
         assert bool((pool.sink_slot[table[:, 0].long()] >= 0).all())  # every first chunk kept its row 0
     qn = pool.native_q(0, q) if att.native else q
@@ -92,7 +92,7 @@ def test_one_row_per_sequence_is_decode() -> None:
     table = torch.tensor([[4, 1, 2], [5, 0, 0], [6, 7, 3]], dtype=torch.int32)
     lens = torch.tensor([9, 3, 12], dtype=torch.int32)
     q = torch.randn(3, HQ, D, generator=g)
-    sink = (pool.sink_k[0], pool.sink_v[0], pool.sink_slot)
+    sink = pool.kernel_sink(0)
     got = paged_prefill_reference(q, pool.layers[0], fmt, table, lens, torch.arange(4, dtype=torch.int32),
                                   0.25, sink=sink)
     want = paged_decode_reference(q, pool.layers[0], fmt, table, lens, 0.25, sink=sink)

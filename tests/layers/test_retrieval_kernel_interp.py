@@ -169,7 +169,7 @@ def test_reference_matches_retrieval_backend(name: str, dtype: torch.dtype, gqa:
     pool, sel = step.pool, step.sel
     # three rows select (ctx 9 is dense), each list holding the whole budget (20 tokens = 5 pages)
     assert step.q.shape[0] == 3 and bool((sel.valid.sum(-1) == 5).all())
-    sink = (pool.sink_k[0], pool.sink_v[0], pool.sink_slot) if pool.sink_slots else None
+    sink = pool.kernel_sink(0)
     native = pool.rotated  # as the backend: rotating pools attend in the stored domain
     q = pool.native_q(0, step.q) if native else step.q
     ref = paged_decode_selected_reference(q, pool.layers[0], pool.fmt, sel.page_ids, sel.page_idx, sel.valid,
