@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
 import sys
 import time
@@ -86,17 +85,6 @@ def _params(a: argparse.Namespace):
                           max_tokens=a.max_tokens)
 
 
-def serve_threads(config: EngineConfig) -> EngineConfig:
-    """A server's decode steps leave one core to the HTTP thread and the clients (engine.py
-    Engine._set_threads says why), unless the command line chose."""
-    import torch
-
-    if config.decode_threads is not None:
-        return config
-    threads = config.threads or torch.get_num_threads()
-    return dataclasses.replace(config, decode_threads=max(1, threads - 1))
-
-
 def cmd_serve(a: argparse.Namespace) -> int:
     from kvtier.engine.build import build_engine
     from kvtier.engine.engine import AsyncEngine
@@ -108,8 +96,9 @@ def cmd_serve(a: argparse.Namespace) -> int:
                         model_name=a.served_name or a.model, default_temperature=a.temperature,
                         default_top_p=a.top_p, default_top_k=a.top_k, default_min_p=a.min_p)
     from kvtier.engine.plan import checked_engine_config
-    config = checked_engine_config(serve_threads(_engine_config(a)), a.model, a.gpu_memory_limit)  # refuses before loading
-    engine = build_engine(a.model, config, console=console)
+    config = checked_engine_config(_engine_config(a), a.model, a.gpu_memory_limit)  # refuses before loading
+    # built on the thread that will step it (AsyncEngine.start: one OpenMP team on CPU)
+    engine = AsyncEngine.start(lambda: build_engine(a.model, config, console=console))
     scfg = ServerConfig(**{**scfg.__dict__, "model_name": a.served_name or engine.model_name})
     url = f"http://{a.host}:{a.port}"
     page = chat_page_url(a.host, a.port, key)
@@ -122,7 +111,7 @@ def cmd_serve(a: argparse.Namespace) -> int:
     console.print(f"try: curl {url}/v1/chat/completions -H 'Content-Type: application/json'{auth} "
                   f"-d '{{\"model\":\"{scfg.model_name}\",\"messages\":[{{\"role\":\"user\","
                   f"\"content\":\"Hello!\"}}],\"max_tokens\":64}}'", soft_wrap=True, highlight=False)
-    serve(AsyncEngine(engine), scfg)
+    serve(engine, scfg)
     return 0
 
 

@@ -11,7 +11,7 @@ import asyncio
 import os
 import queue
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -201,12 +201,13 @@ class Engine:
         return outputs
 
     def _set_threads(self, batch) -> None:
-        """CPU: decode-only steps on `decode_threads`, others on all threads.
+        """CPU: decode-only steps on `decode_threads` (`--decode-threads`; default: all threads),
+        others on all threads.
 
-        Measured on the 2-core box, SmolLM2 streamed through `kvtier serve`: 34 tok/s with 2 torch
-        threads, 75 with 1. The server's event loop and the client need a core per token too;
-        OpenMP's second worker then waits at every barrier for a core. Prefill steps are long
-        and the server idles meanwhile, so they keep every thread (1,939 vs 1,174 tok/s prefill).
+        Measured on the 2-core box, SmolLM2 streamed through `kvtier serve` (256-token prompt,
+        256 generated): 95.0 tok/s on 2 threads, 77.6 on 1, once the engine is built on its step
+        thread (AsyncEngine.start). Stepped on another thread than the one that built it, 2
+        threads gave 34 tok/s: two OpenMP teams, and libgomp stops spin-waiting at barriers.
         """
         want = self.config.decode_threads
         if self.device.type != "cpu" or want is None:
@@ -293,7 +294,7 @@ class AsyncEngine:
     stalls a step. abort() (client disconnect) takes effect before the next step.
     """
 
-    def __init__(self, engine: Engine):
+    def __init__(self, engine: Engine, _start: bool = True):
         self.engine = engine
         self.model_name = engine.model_name
         self.max_model_len = engine.max_model_len
@@ -307,7 +308,41 @@ class AsyncEngine:
         self._stopped = False
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._loop, name="kvtier-engine", daemon=True)
-        self._thread.start()
+        if _start:
+            self._thread.start()
+
+    @classmethod
+    def start(cls, build: Callable[[], Engine]) -> "AsyncEngine":
+        """Build the engine on the step thread itself, then run the step loop there; returns once
+        it is built (a build error is raised here).
+
+        On CPU this keeps every torch op of the engine on one thread: libgomp gives each thread
+        that runs parallel regions its own OpenMP team, and with two teams' threads on more
+        threads than cores it cuts its spin-waiting short (a futex sleep and wake at every
+        barrier). Measured on the 2-core box, SmolLM2 decode with 2 threads: 102 tok/s with the
+        engine built and stepped on one thread, 36 tok/s stepped on a thread other than the one
+        that built it."""
+        ready = threading.Event()
+        box: dict[str, object] = {}
+
+        def run() -> None:
+            try:
+                box["self"] = self = cls(build(), _start=False)
+            except BaseException as e:  # noqa: BLE001 - handed to the caller
+                box["error"] = e
+                ready.set()
+                return
+            ready.set()
+            self._loop()
+
+        thread = threading.Thread(target=run, name="kvtier-engine", daemon=True)
+        thread.start()
+        ready.wait()
+        if "error" in box:
+            raise box["error"]  # type: ignore[misc]
+        self = box["self"]
+        self._thread = thread  # type: ignore[attr-defined]
+        return self  # type: ignore[return-value]
 
     async def generate(self, request: Request) -> AsyncIterator[Output]:
         n, mt = len(request.prompt_token_ids), request.params.max_tokens

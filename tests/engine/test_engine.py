@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from kvtier.config import CacheConfig, EngineConfig
-from kvtier.engine.engine import Engine
+from kvtier.engine.engine import AsyncEngine, Engine
 from kvtier.engine.request import ContextOverflowError, Request, SamplingParams
 
 PROMPTS = [
@@ -170,16 +170,13 @@ def test_async_engine_stream_and_abort(smol_parts):
 
 
 def test_decode_steps_run_on_decode_threads(smol_parts):
-    """CPU: decode-only steps switch torch to `decode_threads`, prefill steps back to all threads
-    (a server leaves a core to its HTTP thread: kvtier serve's default)."""
-    from kvtier.cli import serve_threads
-
+    """CPU: decode-only steps switch torch to `decode_threads` (--decode-threads), prefill steps
+    back to all threads."""
     model, tok = smol_parts
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(2)
-        cfg = serve_threads(EngineConfig(device="cpu", dtype="fp32", cache=CacheConfig(num_pages=64)))
-        assert cfg.decode_threads == 1
+        cfg = EngineConfig(device="cpu", dtype="fp32", cache=CacheConfig(num_pages=64), decode_threads=1)
         eng = Engine(model, tok, cfg, model_name="smollm2-135m")
         seen = []  # (decode-only step, torch threads while it ran)
         execute = eng.runner.execute
@@ -193,3 +190,35 @@ def test_decode_steps_run_on_decode_threads(smol_parts):
         assert seen[0] == (False, 2) and len(seen) > 2 and all(n == 1 for _, n in seen[1:])
     finally:
         torch.set_num_threads(before)
+
+
+def test_async_engine_start_builds_on_the_step_thread(smol_parts):
+    """AsyncEngine.start runs the build on the thread that then steps the engine (CPU: one OpenMP
+    team), serves requests from it, and raises a build error in the caller."""
+    import threading
+
+    model, tok = smol_parts
+    built_on = []
+
+    def build():
+        built_on.append(threading.current_thread())
+        return Engine(model, tok, EngineConfig(device="cpu", dtype="fp32", cache=CacheConfig(num_pages=64)),
+                      model_name="smollm2-135m")
+
+    aeng = AsyncEngine.start(build)
+    try:
+        assert built_on == [aeng._thread] and aeng._thread is not threading.current_thread()
+
+        async def one():
+            req = Request("s", tok.encode("Hello"), SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
+            return [t async for o in aeng.generate(req) for t in o.token_ids]
+
+        assert len(asyncio.run(one())) == 3
+    finally:
+        aeng.shutdown()
+
+    def broken():
+        raise ValueError("no such model")
+
+    with pytest.raises(ValueError, match="no such model"):
+        AsyncEngine.start(broken)
