@@ -55,8 +55,8 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-prefix-cache", action="store_true")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: all cores)")
     p.add_argument("--decode-threads", type=int, default=None,
-                   help="CPU threads for decode steps (serve default: one core less than --threads, "
-                        "left to the HTTP server and its clients)")
+                   help="CPU threads for decode steps (default: --threads; fewer can pay on a machine "
+                        "busy with other work)")
 
 
 def _engine_config(a: argparse.Namespace) -> EngineConfig:
