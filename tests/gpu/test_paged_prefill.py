@@ -13,7 +13,6 @@
 from __future__ import annotations
 
 import importlib.util
-import statistics
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -103,17 +102,7 @@ def _random_pages(name: str, num_pages: int) -> dict[str, torch.Tensor]:
 
 
 def _median_ms(fn: Callable[[], object]) -> float:
-    for _ in range(WARMUP):
-        fn()
-    times = []
-    for _ in range(REPEATS):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+    return base.median_us(fn, WARMUP, REPEATS) / 1e3
 
 
 def _causal_flops(ctx: int, n_new: int, heads: int, head_dim: int) -> float:
