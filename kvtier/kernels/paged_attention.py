@@ -282,14 +282,13 @@ if HAVE_TRITON:
         if ALT:
             alt = page < 0
             row = (tl.where(alt, -1 - page, page) * Hkv + h) * S + in_page
-            k, ks = _tile(k_ptr, ks_ptr, row + tl.where(alt, ad_k, 0), row + tl.where(alt, ad_ks, 0), valid,
-                          K_MODE, D, K_GROUP, BLOCK_N, BIAS, K_HALF)
-            v, vs = _tile(v_ptr, vs_ptr, row + tl.where(alt, ad_v, 0), row + tl.where(alt, ad_vs, 0), valid,
-                          V_MODE, D, V_GROUP, BLOCK_N, BIAS, V_HALF)
+            k_row, ks_row = row + tl.where(alt, ad_k, 0), row + tl.where(alt, ad_ks, 0)
+            v_row, vs_row = row + tl.where(alt, ad_v, 0), row + tl.where(alt, ad_vs, 0)
         else:
             row = (page * Hkv + h) * S + in_page
-            k, ks = _tile(k_ptr, ks_ptr, row, row, valid, K_MODE, D, K_GROUP, BLOCK_N, BIAS, K_HALF)
-            v, vs = _tile(v_ptr, vs_ptr, row, row, valid, V_MODE, D, V_GROUP, BLOCK_N, BIAS, V_HALF)
+            k_row, ks_row, v_row, vs_row = row, row, row, row
+        k, ks = _tile(k_ptr, ks_ptr, k_row, ks_row, valid, K_MODE, D, K_GROUP, BLOCK_N, BIAS, K_HALF)
+        v, vs = _tile(v_ptr, vs_ptr, v_row, vs_row, valid, V_MODE, D, V_GROUP, BLOCK_N, BIAS, V_HALF)
         return k, ks, v, vs
 
     # Runtime ints that may be 1 or multiples of 16: not specialised on value (one compile serves all).
@@ -493,7 +492,7 @@ def _codec_constants(fmt: KVFormat, head_dim: int, dtype: torch.dtype) -> dict[s
 def split_constants(fmt: KVFormat, head_dim: int, page_size: int, gqa: int, dtype: torch.dtype,
                     has_sink: bool, single: bool, num_splits: int = 0,
                     native: "NativeDomain | None" = None, selected: bool = False,
-                    sel_valid: bool = False) -> dict[str, object]:
+                    sel_valid: bool = False, alt: bool = False) -> dict[str, object]:
     """The tl.constexpr arguments of the split kernel (one compiled variant per distinct dict).
     Plain pages with few splits (long loops: large batches) take LONG_TILE_BYTES tiles.
     selected / sel_valid: per-(row, kv head) page lists (retrieval_attention), with a validity table."""
@@ -505,7 +504,7 @@ def split_constants(fmt: KVFormat, head_dim: int, page_size: int, gqa: int, dtyp
         fold = dict(Q_SMOOTH=native.channel_scale is not None, Q_ROTATE=native.rotate_q,
                     INV_SQRT_D=inv_sqrt_f32(head_dim))
     return dict(S=page_size, D=head_dim, G_PAD=max(MIN_DOT_ROWS, _pow2(gqa)), PAGES=pages,
-                HAS_SINK=has_sink, SINGLE=single, SELECTED=selected, SEL_VALID=sel_valid, **fold,
+                HAS_SINK=has_sink, SINGLE=single, SELECTED=selected, SEL_VALID=sel_valid, ALT=alt, **fold,
                 **_codec_constants(fmt, head_dim, dtype))
 
 
@@ -608,14 +607,8 @@ def alt_offsets(st: dict[str, torch.Tensor], sink: "Sink | None", alt: AltPages 
     if sink is not None:
         if alt.sink is None:
             raise ValueError("AltPages: the pool has sink rows, the alternate source has none")
-        for arg, a, b, name in (("ad_sk", alt.sink[0], sink[0], "sink_k"), ("ad_sv", alt.sink[1], sink[1], "sink_v")):
-            out[arg] = _rows_apart(a, b, name)  # [slots, Hkv, D]: rows of one element
-        if alt.sink[2].dtype != sink[2].dtype or alt.sink[2].dim() != 1:
-            raise ValueError("AltPages: the sink slot table must be 1-D like the pool's")
-        gap = alt.sink[2].data_ptr() - sink[2].data_ptr()
-        if gap % sink[2].element_size():
-            raise ValueError("AltPages: the sink slot tables are not a whole number of elements apart")
-        out["ad_slot"] = gap // sink[2].element_size()
+        for arg, a, b, name in zip(("ad_sk", "ad_sv", "ad_slot"), alt.sink, sink, ("sink_k", "sink_v", "sink_slot")):
+            out[arg] = _rows_apart(a, b, name)  # [slots, Hkv, D] / [pages]: rows of one element
     return out
 
 
@@ -721,8 +714,9 @@ def launch_decode(q: torch.Tensor, st: dict[str, torch.Tensor], fmt: KVFormat, t
         q.stride(0), q.stride(1), table.stride(0), *strides, hkv, hq // hkv, num_splits, n_sel,
         **alt_offsets(st, sink, alt),
         **split_constants(fmt, d, s, hq // hkv, q.dtype, sink is not None, single, num_splits, native,
-                          selected=lists is not None, sel_valid=lists is not None and lists.valid is not None),
-        ALT=alt is not None, num_warps=NUM_WARPS, num_stages=NUM_STAGES)
+                          selected=lists is not None, sel_valid=lists is not None and lists.valid is not None,
+                          alt=alt is not None),
+        num_warps=NUM_WARPS, num_stages=NUM_STAGES)
     rotate_out = native is not None and native.rotate_out
     if not single:
         _merge_kernel[(bsz, hq)](dst, lse, out, rot, out.stride(0), out.stride(1), hq, num_splits, D=d,
@@ -926,11 +920,11 @@ def prefill_blocks(head_dim: int, dtype: torch.dtype) -> tuple[int, int, int, in
 
 
 def prefill_constants(fmt: KVFormat, head_dim: int, page_size: int, gqa: int, dtype: torch.dtype,
-                      has_sink: bool, block_m: int, block_n: int) -> dict[str, object]:
+                      has_sink: bool, block_m: int, block_n: int, alt: bool = False) -> dict[str, object]:
     """The tl.constexpr arguments of the prefill kernel; BLOCK_M rows = BLOCK_Q tokens x G_PAD heads."""
     g_pad = _pow2(gqa)
     return dict(S=page_size, D=head_dim, G_PAD=g_pad, BLOCK_Q=max(1, block_m // g_pad), BLOCK_N=block_n,
-                HAS_SINK=has_sink, **_codec_constants(fmt, head_dim, dtype))
+                HAS_SINK=has_sink, ALT=alt, **_codec_constants(fmt, head_dim, dtype))
 
 
 def paged_prefill(q: torch.Tensor, st: dict[str, torch.Tensor], fmt: KVFormat, block_table: torch.Tensor,
@@ -971,14 +965,14 @@ def paged_prefill(q: torch.Tensor, st: dict[str, torch.Tensor], fmt: KVFormat, b
     if n_rows == 0 or bsz == 0 or max_new <= 0:
         return out
     block_m, block_n, warps, stages = blocks or prefill_blocks(d, q.dtype)
-    const = prefill_constants(fmt, d, s, hq // hkv, q.dtype, sink is not None, block_m, block_n)
+    const = prefill_constants(fmt, d, s, hq // hkv, q.dtype, sink is not None, block_m, block_n, alt is not None)
     sk, sv, slot = sink if sink is not None else (q, q, block_table)  # unused placeholders
     grid = (hkv, bsz, triton.cdiv(max_new, const["BLOCK_Q"]))
     _prefill_kernel[grid](
         q, st["k"], st.get("k_scale", st["k"]), st["v"], st.get("v_scale", st["v"]), block_table, seq_lens,
         query_start_loc, sk.contiguous(), sv.contiguous(), slot, out, scale * LOG2E, q.stride(0), q.stride(1),
         block_table.stride(0), out.stride(0), out.stride(1), hkv, hq // hkv, **alt_offsets(st, sink, alt), **const,
-        ALT=alt is not None, num_warps=warps, num_stages=stages)
+        num_warps=warps, num_stages=stages)
     return out
 
 
