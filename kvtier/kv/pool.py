@@ -81,7 +81,7 @@ class PagePool:
         shape = (num_layers, self.sink_slots, kv_heads, head_dim)
         self.sink_k = torch.zeros(shape, dtype=compute_dtype, device=self.device, pin_memory=sink_pin)
         self.sink_v = torch.zeros(shape, dtype=compute_dtype, device=self.device, pin_memory=sink_pin)
-        # page -> slot; pinned with the rows, so the GPU kernels can read a host pool's table (kernel_alt)
+        # page -> slot; pinned with the rows, so the GPU kernels can read a host pool's table (kernel_alts)
         self.sink_slot = torch.full((num_pages,), -1, dtype=torch.long, device=self.device, pin_memory=sink_pin)
         self._sink_of_page: OrderedDict[int, int] = OrderedDict()  # host mirror, oldest assignment first
         self._sink_free = list(range(self.sink_slots - 1, -1, -1))
@@ -173,30 +173,34 @@ class PagePool:
         formats without sink rows."""
         return (self.sink_k[layer], self.sink_v[layer], self.sink_slot) if self.sink_slots else None
 
-    def kernel_alts(self, pool: "PagePool") -> list | None:
-        """kernel_alt of every layer (fixed for the pools' lifetime: callers keep the list), or None
-        when the kernels cannot read this pool in place."""
-        alts = [self.kernel_alt(pool, layer) for layer in range(self.num_layers)]
-        return alts if all(a is not None for a in alts) else None
+    def kernel_native(self, layer: int, head_dim: int):
+        """The stored-domain moves the decode kernels fold in for one layer (NativeDomain: K
+        smoothing, q and output rotations), or None when the kernels cannot fold them at this
+        head_dim (then q goes through native_q and the output through native_out)."""
+        from kvtier.kernels.paged_attention import NativeDomain, fold_native_supported
+        if not fold_native_supported(head_dim):
+            return None
+        return NativeDomain(self.k_channel_scale[layer], self.fmt.rotate_k, self.fmt.rotate_v)
 
-    def kernel_alt(self, pool: "PagePool", layer: int):
-        """This pool's layer as the paged kernels' second page source for `pool`'s (AltPages: a
-        negative id -1 - h names page h here), or None when the kernels cannot read it in place:
-        it must be pinned host memory beside a CUDA pool of the same format and geometry, at a
-        whole number of rows from it (kernels/paged_attention.py alt_offsets)."""
+    def kernel_alts(self, pool: "PagePool") -> list | None:
+        """This pool's layers as the paged kernels' second page source for `pool`'s (AltPages, one a
+        layer: a negative id -1 - h names page h here), or None when the kernels cannot read it in
+        place: it must be pinned host memory beside a CUDA pool of the same format and geometry,
+        at a whole number of rows from it (kernels/paged_attention.py alt_offsets). Fixed for the
+        pools' lifetime: callers keep the list."""
         from kvtier.kernels.paged_attention import HAVE_TRITON, AltPages, alt_offsets
         if not HAVE_TRITON or pool.device.type != "cuda" or self.device.type != "cpu" \
                 or not self.compatible_with(pool):
             return None
-        st = self.layers[layer]
-        if not all(t.is_pinned() for t in st.values()) or (self.sink_slots and not self.sink_slot.is_pinned()):
+        if not all(t.is_pinned() for t in self.storage.values()) or (self.sink_slots and not self.sink_slot.is_pinned()):
             return None
-        alt = AltPages(st, self.kernel_sink(layer))
+        alts = [AltPages(self.layers[layer], self.kernel_sink(layer)) for layer in range(self.num_layers)]
         try:
-            alt_offsets(pool.layers[layer], pool.kernel_sink(layer), alt)
+            for layer, alt in enumerate(alts):
+                alt_offsets(pool.layers[layer], pool.kernel_sink(layer), alt)
         except ValueError:
             return None
-        return alt
+        return alts
 
     def assign_sinks(self, pages: Sequence[int]) -> torch.Tensor | None:
         """Sink slots for pages whose row 0 is about to be written at sequence position 0.

@@ -231,8 +231,7 @@ class DensePagedAttention:
     def _plan(self, meta: AttentionMetadata, device: torch.device, n_rows: int) -> "_StepPlan":
         ps = self.store.page_size
         tables = [pt[:(n + ps - 1) // ps] for pt, n in zip(meta.page_tables, meta.seq_lens)]
-        # host pages (negative ids) form a table's head, so counting stops at the first resident one
-        streamed = [next((i for i, p in enumerate(pt) if p >= 0), len(pt)) for pt in tables]
+        streamed = [host_head(pt) for pt in tables]
         plan = _StepPlan(tables, streamed)
         plan.sink = plan_sink_rows(self.store, meta, device)
         plan.first = _zero_index(device)
@@ -415,6 +414,12 @@ def attend_partial(q: torch.Tensor, kp: torch.Tensor, vp: torch.Tensor, ctx: int
     lse = torch.logsumexp(s, dim=-1)  # [Hq, n_new]
     o = torch.softmax(s, dim=-1) @ vv  # [Hq, n_new, D]
     return o.transpose(0, 1), lse.transpose(0, 1)
+
+
+def host_head(page_table: list[int]) -> int:
+    """How many host-tier pages (negative ids) head a page table: they come first, so counting
+    stops at the first compute-pool page."""
+    return next((i for i, p in enumerate(page_table) if p >= 0), len(page_table))
 
 
 def merge_partials(acc: tuple[torch.Tensor, torch.Tensor] | None,

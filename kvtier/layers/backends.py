@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvtier.layers.attention import AttentionMetadata, DensePagedAttention, plan_sink_rows
+from kvtier.layers.attention import AttentionMetadata, DensePagedAttention, host_head, plan_sink_rows
 from kvtier.layers.retrieval import RetrievalAttention, RetrievalConfig
 
 BACKEND_NAMES = ("auto", "dense", "triton", "retrieval")
@@ -118,7 +118,11 @@ class TritonPagedAttention:
         # the kernels read host pages in place (decode) or from a staging copy (prefill) when the
         # host pool is pinned and laid out as the pool is; else host steps go through the dense path
         self.host_alts = host_store.kernel_alts(self.store) if host_store is not None else None
-        self.host_kernels = self.host_alts is not None
+
+    @property
+    def host_kernels(self) -> bool:
+        """Whether the kernels read this step's host pages (else the dense path streams them)."""
+        return self.host_alts is not None
 
     def pages_arrived(self, page_ids: list[int], from_host: list[int] | None = None) -> None:
         self.dense.pages_arrived(page_ids, from_host)
@@ -169,7 +173,7 @@ class TritonPagedAttention:
             raise RuntimeError("TritonPagedAttention.plan(meta) must run once before the step's forward")
         if plan is DENSE:
             return self.dense.forward(layer, q, k, v, meta)
-        from kvtier.kernels.paged_attention import NativeDomain, fold_native_supported, paged_decode, paged_prefill
+        from kvtier.kernels.paged_attention import paged_decode, paged_prefill
         store = self.store
         # decode rows are never at position 0: sink rows come only with prefill chunks
         store.write(layer, meta.slot_mapping, k, v, sink=plan.sink)
@@ -180,9 +184,9 @@ class TritonPagedAttention:
             table, alt = plan.staged.table, self._stage_layer(layer, plan.staged)
         elif plan.host:
             alt = self.host_alts[layer]  # type: ignore[index]
-        if not plan.prefill and self.native and fold_native_supported(q.shape[-1]):
-            # decode: native_q / native_out folded into the kernels (two launches fewer a layer)
-            native = NativeDomain(store.k_channel_scale[layer], fmt.rotate_k, fmt.rotate_v)
+        # decode: native_q / native_out folded into the kernels (two launches fewer a layer)
+        native = store.kernel_native(layer, q.shape[-1]) if self.native and not plan.prefill else None
+        if native is not None:
             return paged_decode(q, store.layers[layer], fmt, table, meta.seq_lens_t, self.scale,
                                 plan.num_splits, sink=sink, native=native, alt=alt)
         if self.native:
@@ -202,7 +206,7 @@ class TritonPagedAttention:
         host_ids: list[int] = []
         table = meta.block_table.clone()
         for b, pt in enumerate(meta.page_tables):
-            n = next((i for i, p in enumerate(pt) if p >= 0), len(pt))
+            n = host_head(pt)
             if n:
                 table[b, :n] = -1 - torch.arange(len(host_ids), len(host_ids) + n, dtype=table.dtype).to(dev)
                 host_ids.extend(-1 - p for p in pt[:n])

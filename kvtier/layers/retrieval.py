@@ -103,7 +103,6 @@ class RetrievalAttention:
         # the selected-pages kernel reads chosen host pages over the bus, in place (AltPages)
         self.host_alts = (host_store.kernel_alts(self.store)  # type: ignore[attr-defined]
                           if self.kernel and host_store is not None else None)
-        self.host_in_place = self.host_alts is not None
         if host_store is None:
             self.host_summaries = self.host_cache = None
             return
@@ -111,6 +110,11 @@ class RetrievalAttention:
         self.host_summaries = PageSummaries(st.num_layers, host_store.num_pages, st.kv_heads,  # type: ignore[attr-defined]
                                             st.head_dim, st.page_size, st.device)
         self.host_cache = HostPageCache(st.num_layers, FETCH_CACHE_BUDGETS * self.budget_pages)
+
+    @property
+    def host_in_place(self) -> bool:
+        """Whether the selected-pages kernel reads chosen host pages in place."""
+        return self.host_alts is not None
 
     @property
     def fetch_stats(self) -> dict[str, int]:
@@ -335,17 +339,14 @@ class RetrievalAttention:
     def _retrieve_kernel(self, layer: int, q: torch.Tensor, sel: "_Selection", idx: torch.Tensor,
                          ids: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
         """The same attention by the split-K kernel over each kv head's own list (raw q in)."""
-        from kvtier.kernels.paged_attention import NativeDomain, fold_native_supported
         from kvtier.kernels.retrieval_attention import paged_decode_selected, selected_num_splits
         store, fmt = self.store, self.store.fmt
         r, hkv, n_sel = idx.shape
         sink = store.kernel_sink(layer)
         splits = selected_num_splits(r, hkv, n_sel, store.page_size, self.num_sms)
         page_idx = torch.where(valid, idx, torch.full_like(idx, -1))
-        native = None
-        if self.native and fold_native_supported(q.shape[-1]):
-            native = NativeDomain(store.k_channel_scale[layer], fmt.rotate_k, fmt.rotate_v)
-        elif self.native:
+        native = store.kernel_native(layer, q.shape[-1]) if self.native else None
+        if self.native and native is None:
             q = store.native_q(layer, q)
         alt = self.host_alts[layer] if sel.has_host else None  # type: ignore[index]
         self.in_place_host_rows += r if alt is not None else 0
