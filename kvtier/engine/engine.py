@@ -294,7 +294,12 @@ class AsyncEngine:
     stalls a step. abort() (client disconnect) takes effect before the next step.
     """
 
-    def __init__(self, engine: Engine, _start: bool = True):
+    def __init__(self, engine: Engine):
+        self._setup(engine)
+        self._thread = threading.Thread(target=self._loop, name="kvtier-engine", daemon=True)
+        self._thread.start()
+
+    def _setup(self, engine: Engine) -> None:
         self.engine = engine
         self.model_name = engine.model_name
         self.max_model_len = engine.max_model_len
@@ -307,9 +312,6 @@ class AsyncEngine:
         self._wake = threading.Event()
         self._stopped = False
         self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._loop, name="kvtier-engine", daemon=True)
-        if _start:
-            self._thread.start()
 
     @classmethod
     def start(cls, build: Callable[[], Engine]) -> "AsyncEngine":
@@ -322,27 +324,26 @@ class AsyncEngine:
         barrier). Measured on the 2-core box, SmolLM2 decode with 2 threads: 102 tok/s with the
         engine built and stepped on one thread, 36 tok/s stepped on a thread other than the one
         that built it."""
+        self = cls.__new__(cls)
         ready = threading.Event()
-        box: dict[str, object] = {}
+        failed: list[BaseException] = []
 
         def run() -> None:
             try:
-                box["self"] = self = cls(build(), _start=False)
+                self._setup(build())
             except BaseException as e:  # noqa: BLE001 - handed to the caller
-                box["error"] = e
-                ready.set()
+                failed.append(e)
                 return
-            ready.set()
+            finally:
+                ready.set()
             self._loop()
 
-        thread = threading.Thread(target=run, name="kvtier-engine", daemon=True)
-        thread.start()
+        self._thread = threading.Thread(target=run, name="kvtier-engine", daemon=True)
+        self._thread.start()
         ready.wait()
-        if "error" in box:
-            raise box["error"]  # type: ignore[misc]
-        self = box["self"]
-        self._thread = thread  # type: ignore[attr-defined]
-        return self  # type: ignore[return-value]
+        if failed:
+            raise failed[0]
+        return self
 
     async def generate(self, request: Request) -> AsyncIterator[Output]:
         n, mt = len(request.prompt_token_ids), request.params.max_tokens
