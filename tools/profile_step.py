@@ -13,7 +13,7 @@ import time
 import torch
 
 from kvtier.bench.run import synthetic_ids
-from kvtier.bench.shapes import kvtier_from_hf, random_hf_model
+from kvtier.bench.shapes import random_model
 from kvtier.config import CacheConfig, EngineConfig
 from kvtier.engine.engine import Engine
 from kvtier.engine.request import Request, SamplingParams
@@ -29,8 +29,7 @@ def main() -> None:
     p.add_argument("--chunk", type=int, default=512)
     a = p.parse_args()
     dev = torch.device("cuda")
-    hf = random_hf_model(a.shape, torch.bfloat16, dev)
-    net = kvtier_from_hf(hf, torch.bfloat16, dev)
+    hf, net = random_model(a.shape, torch.bfloat16, dev)  # int4 / int8 shapes: QuantWeights, no HF
     del hf
     cfg = EngineConfig(device="cuda", dtype="bf16", attention_backend=a.backend, cuda_graphs=a.graphs,
                        prefill_chunk=a.chunk, max_model_len=a.prompt + 256,

@@ -12,6 +12,11 @@ into those buffers and the graph reads them.
 What a captured step may not do: synchronise with the host, allocate by data
 values, or grow a cache (the rotary table is grown to the capacity first).
 The backend's `plan(meta, for_graph=True)` makes only shape-based choices.
+
+With a host tier the kernels read in place (`backend.host_kernels`), each size
+has a second graph whose attention reads host-tier pages over the bus (the
+kernels' AltPages variant): decode of a sequence longer than the GPU pool
+replays too, instead of running hundreds of launches eagerly.
 """
 
 from __future__ import annotations
@@ -41,7 +46,9 @@ class DecodeGraphs:
         self.planner = planner
         self.max_seq_len = max_seq_len
         self.sizes = [s for s in GRAPH_BATCH_SIZES if s < max_batch] + [max_batch]
-        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        # the variants captured: (host-tier reads?) -> only False without a kernel-read host tier
+        self.variants = (False, True) if getattr(backend, "host_kernels", False) else (False,)
+        self._graphs: dict[tuple[int, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.capture_seconds = 0.0
 
     def size_for(self, n: int) -> int | None:
@@ -56,23 +63,25 @@ class DecodeGraphs:
         pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream()
         for size in sorted(self.sizes, reverse=True):
-            inputs = self.planner.idle_inputs(size, self.max_seq_len)
-            self.backend.plan(inputs.meta, for_graph=True)
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
-                for _ in range(WARMUP_RUNS):
-                    self.model(inputs.input_ids, inputs.positions, inputs.meta, self.backend)
-            torch.cuda.current_stream().wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                logits = self.model(inputs.input_ids, inputs.positions, inputs.meta, self.backend)
-            self._graphs[size] = (graph, logits)
+            for host in self.variants:
+                inputs = self.planner.idle_inputs(size, self.max_seq_len, host=host)
+                self.backend.plan(inputs.meta, for_graph=True)
+                stream.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(stream):
+                    for _ in range(WARMUP_RUNS):
+                        self.model(inputs.input_ids, inputs.positions, inputs.meta, self.backend)
+                torch.cuda.current_stream().wait_stream(stream)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    logits = self.model(inputs.input_ids, inputs.positions, inputs.meta, self.backend)
+                self._graphs[size, host] = (graph, logits)
         torch.cuda.synchronize()
         self.capture_seconds = time.perf_counter() - t0
         return self.capture_seconds
 
-    def replay(self, size: int, rows: int) -> torch.Tensor:
-        """Run the graph of `size` over what the planner staged; -> logits [rows, V] fp32."""
-        graph, logits = self._graphs[size]
+    def replay(self, size: int, rows: int, host: bool = False) -> torch.Tensor:
+        """Run the graph of `size` (host: its host-tier variant) over what the planner staged;
+        -> logits [rows, V] fp32."""
+        graph, logits = self._graphs[size, host]
         graph.replay()
         return logits[:rows]

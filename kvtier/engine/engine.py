@@ -28,6 +28,7 @@ from kvtier.kv.manager import CacheManager
 from kvtier.engine.calibrate import calibrate_pool, calibration_tokens
 from kvtier.kv.pool import PagePool, kv_bytes_per_token
 from kvtier.layers.backends import choose_backend, make_backend
+from kvtier.layers.retrieval import GRAPH_SELECTORS, graph_capable
 from kvtier.models.tokenizer import IncrementalDetokenizer, Tokenizer
 
 # KV budget when nothing else is said: CPU RAM is plentiful, GPU memory is planned.
@@ -81,7 +82,7 @@ class Engine:
                               else None)
         backend_name = ("retrieval" if config.retrieval.enabled
                         else choose_backend(config.attention_backend, self.device))
-        graphs = self._use_graphs(backend_name)
+        graphs = self._use_graphs(backend_name, spec.head_dim)
         # CUDA graphs pad batches with rows that write their K/V into a page no sequence owns
         scratch = num_pages if graphs else None
         self.pool = PagePool(fmt, spec.num_layers, num_pages + (1 if graphs else 0), spec.num_kv_heads,
@@ -114,12 +115,16 @@ class Engine:
         self._all_threads = self._threads_now = torch.get_num_threads()
         self.steps = 0
 
-    def _use_graphs(self, backend_name: str) -> bool:
-        """CUDA graphs: auto = on for a CUDA device with a graph-capable backend."""
+    def _use_graphs(self, backend_name: str, head_dim: int) -> bool:
+        """CUDA graphs: auto = on for a CUDA device with a graph-capable backend (triton; retrieval
+        with a kernel-scored selector)."""
         mode = self.config.cuda_graphs
-        ok = self.device.type == "cuda" and backend_name == "triton"
+        ok = self.device.type == "cuda" and (
+            backend_name == "triton"
+            or (backend_name == "retrieval" and graph_capable(self.config.retrieval, head_dim, self.device)))
         if mode == "on" and not ok:
-            raise ValueError("CUDA graphs need a CUDA device and the triton attention backend")
+            raise ValueError("CUDA graphs need a CUDA device and the triton attention backend (or retrieval "
+                             f"with selector {' / '.join(GRAPH_SELECTORS)})")
         return ok and mode != "off"
 
     def _auto_pages(self, fmt, spec) -> int:

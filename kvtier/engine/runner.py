@@ -8,8 +8,8 @@
 Per step: host<->GPU page copies first, then the planner (engine/step_plan.py)
 stages the inputs into persistent device buffers, the attention backend plans
 once (`backend.plan`), and the forward runs: as a replay of a captured CUDA
-graph (engine/cuda_graph.py) when every sequence decodes one token from
-compute-pool pages, else eagerly.
+graph (engine/cuda_graph.py) when every sequence decodes one token (from
+either tier where the graphs have a host variant), else eagerly.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import torch
 
 from kvtier.engine.cuda_graph import DecodeGraphs
 from kvtier.engine.scheduler import Batch
-from kvtier.engine.step_plan import StepPlanner, decode_step
+from kvtier.engine.step_plan import StepPlanner, decode_step, reads_host
 from kvtier.kv.pool import PagePool
 from kvtier.layers.attention import AttentionBackend
 
@@ -41,6 +41,7 @@ class ModelRunner:
                                    scratch_slot=(scratch_page or 0) * ps)
         self.graphs: DecodeGraphs | None = None
         self.graph_steps = 0  # steps that replayed a graph (stats, tests)
+        self.host_graph_steps = 0  # of them, steps whose graph read host-tier pages
 
     def capture_graphs(self) -> float:
         """Capture decode graphs for batch sizes up to max_seqs. -> seconds taken."""
@@ -71,9 +72,12 @@ class ModelRunner:
         self.run_transfers(batch)
         size = self._graph_size(batch)
         if size is not None:
-            self.planner.plan(batch, pad_to=size, max_seq_len=self.max_model_len)
+            step = self.planner.plan(batch, pad_to=size, max_seq_len=self.max_model_len)
+            self.backend.plan(step.meta)  # what the backend stages for the step (the graph reads it)
+            host = step.meta.reads_host
             self.graph_steps += 1
-            return self.graphs.replay(size, len(batch.seqs))  # type: ignore[union-attr]
+            self.host_graph_steps += host
+            return self.graphs.replay(size, len(batch.seqs), host)  # type: ignore[union-attr]
         step = self.planner.plan(batch)
         self.backend.plan(step.meta)
         logits = self.model(step.input_ids, step.positions, step.meta, self.backend)
@@ -81,7 +85,8 @@ class ModelRunner:
 
     def _graph_size(self, batch: Batch) -> int | None:
         """The captured size that runs this step, or None (eager): a decode step
-        (step_plan.decode_step) of a batch size some graph covers."""
-        if self.graphs is None or not decode_step(batch):
+        (step_plan.decode_step) of a batch size some graph covers, reading host-tier pages only
+        where a host variant was captured."""
+        if self.graphs is None or not decode_step(batch) or (reads_host(batch) and True not in self.graphs.variants):
             return None
         return self.graphs.size_for(len(batch.seqs))

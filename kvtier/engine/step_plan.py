@@ -42,10 +42,15 @@ class StepInputs:
 
 
 def decode_step(batch: Batch) -> bool:
-    """Every sequence decodes one sampled token, not its first, and its table starts with a
-    compute-pool page: the step a captured decode graph runs (the one place this is decided;
-    the planner records it in AttentionMetadata.decode_step)."""
-    return all(s.num_tokens == 1 and s.start > 0 and s.sample and s.page_table[0] >= 0 for s in batch.seqs)
+    """Every sequence decodes one sampled token, not its first: the step a captured decode graph
+    runs (the one place this is decided; the planner records it in AttentionMetadata.decode_step).
+    Whether its tables reach into the host tier is `reads_host`: a second graph variant."""
+    return all(s.num_tokens == 1 and s.start > 0 and s.sample for s in batch.seqs)
+
+
+def reads_host(batch: Batch) -> bool:
+    """Some sequence's page table starts with host-tier pages (negative ids head a table)."""
+    return any(s.page_table and s.page_table[0] < 0 for s in batch.seqs)
 
 
 def pinned_page_indices(spans: tuple[tuple[int, int], ...], page_size: int, num_pages: int) -> list[int]:
@@ -165,13 +170,14 @@ class StepPlanner:
             block_table=self.block_table[:n_seqs], seq_lens_t=self.seq_lens[:n_seqs],
             query_start_loc_t=self.query_start_loc[:n_seqs + 1],
             max_seq_len=max_seq_len or max(seq_lens, default=1), decode_step=decode_step(batch),
-            pinned_pages=pinned)
+            reads_host=reads_host(batch), pinned_pages=pinned)
         return StepInputs(self.input_ids[:n_tok], self.positions[:n_tok], meta, n_rows)
 
-    def idle_inputs(self, n_seqs: int, max_seq_len: int) -> StepInputs:
+    def idle_inputs(self, n_seqs: int, max_seq_len: int, host: bool = False) -> StepInputs:
         """Inputs over the persistent buffers for capturing a decode graph of n_seqs rows, filled
-        as padding rows (nothing attended, K/V to the scratch slot). The Python lists describe a
-        placeholder step: backends must not read them in graphs."""
+        as padding rows (nothing attended, K/V to the scratch slot); host: the variant whose
+        tables may name host-tier pages. The Python lists describe a placeholder step: backends
+        must not read them in graphs."""
         self.input_ids[:n_seqs].zero_()
         self.positions[:n_seqs].zero_()
         self.slot_mapping[:n_seqs].fill_(self.scratch_slot)
@@ -184,7 +190,7 @@ class StepPlanner:
             page_tables=[[0]] * n_seqs, slot_mapping=self.slot_mapping[:n_seqs],
             logits_indices=self.logits_indices[:n_seqs], block_table=self.block_table[:n_seqs],
             seq_lens_t=self.seq_lens[:n_seqs], query_start_loc_t=self.query_start_loc[:n_seqs + 1],
-            max_seq_len=max_seq_len, decode_step=True), n_seqs)
+            max_seq_len=max_seq_len, decode_step=True, reads_host=host), n_seqs)
 
     def _next_staging(self) -> _Staging:
         st = self._staging[self._turn]

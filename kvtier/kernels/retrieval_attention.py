@@ -153,16 +153,23 @@ if HAVE_TRITON:
     import triton.language as tl
 
     @triton.jit(do_not_specialize=["Hkv", "G", "C"])
-    def _quest_kernel(q_ptr, ids_ptr, kmin_ptr, kmax_ptr, cnt_ptr, hmin_ptr, hmax_ptr, hcnt_ptr, out_ptr,
+    def _quest_kernel(q_ptr, ids_ptr, kmin_ptr, kmax_ptr, cnt_ptr, hmin_ptr, hmax_ptr, hcnt_ptr, lim_ptr, out_ptr,
                       Hkv, G, C, D: tl.constexpr, BLOCK_C: tl.constexpr, REDUCE_MAX: tl.constexpr,
-                      HAS_HOST: tl.constexpr):
+                      HAS_HOST: tl.constexpr, HAS_LIMIT: tl.constexpr):
         """One (row r, kv head h, BLOCK_C candidates): bound of each of the G query heads of h,
-        summed (quest) or maxed (quest-max) over them; pages with no rows score +inf."""
+        summed (quest) or maxed (quest-max) over them; pages with no rows score +inf. HAS_LIMIT:
+        columns at or past lim[r] are neither read nor written."""
         r = tl.program_id(0)
         h = tl.program_id(1)
-        c = tl.program_id(2) * BLOCK_C + tl.arange(0, BLOCK_C)
+        c0 = tl.program_id(2) * BLOCK_C
+        n = C
+        if HAS_LIMIT:
+            n = tl.minimum(tl.load(lim_ptr + r).to(tl.int32), C)
+        if c0 >= n:  # a captured step scores the whole table width; most of it lies past the context
+            return
+        c = c0 + tl.arange(0, BLOCK_C)
         d = tl.arange(0, D)
-        cm = c < C
+        cm = c < n
         ids = tl.load(ids_ptr + r.to(tl.int64) * C + c, mask=cm, other=0).to(tl.int64)
         dev = cm & (ids >= 0)  # negative ids: host_ref(p) = -1 - p, in the host tier's summaries
         rows = (ids * Hkv + h)[:, None] * D + d[None, :]
@@ -194,12 +201,13 @@ SummaryRows = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
 
 def quest_scores(qg: torch.Tensor, dev: SummaryRows, cand_ids: torch.Tensor, reduce_max: bool = False,
-                 host: SummaryRows | None = None) -> torch.Tensor:
+                 host: SummaryRows | None = None, limit: torch.Tensor | None = None) -> torch.Tensor:
     """Quest bounds of candidate pages, fused (layers/retrieval.py page_scores' quest / quest-max).
 
     qg: [R, Hkv, G, D] fp32 raw queries; dev / host: one layer's summaries (kv/summaries.py) of
     the compute pool / host tier; cand_ids: [R, C] page ids (negative: host_ref, needs `host`);
-    reduce_max: max over the G query heads (quest-max) instead of the sum (quest).
+    reduce_max: max over the G query heads (quest-max) instead of the sum (quest); limit: [R]
+    int, row r's columns >= limit[r] are skipped (left unwritten: the caller masks them).
     -> [R, Hkv, C] fp32; +inf for pages with no rows (chosen first). No host synchronisation.
     """
     if not HAVE_TRITON:
@@ -213,9 +221,11 @@ def quest_scores(qg: torch.Tensor, dev: SummaryRows, cand_ids: torch.Tensor, red
     if r == 0 or c == 0:
         return out
     hmin, hmax, hcnt = host if host is not None else dev  # unused placeholders without a host tier
+    lim = limit.contiguous() if limit is not None else dev[2]  # placeholder without a limit
     _quest_kernel[(r, hkv, triton.cdiv(c, max(1, SCORE_TILE // d)))](
-        qg.float().contiguous(), cand_ids.contiguous(), dev[0], dev[1], dev[2], hmin, hmax, hcnt, out, hkv, g, c,
-        D=d, BLOCK_C=max(1, SCORE_TILE // d), REDUCE_MAX=reduce_max, HAS_HOST=host is not None, num_warps=4)
+        qg.float().contiguous(), cand_ids.contiguous(), dev[0], dev[1], dev[2], hmin, hmax, hcnt, lim, out, hkv, g, c,
+        D=d, BLOCK_C=max(1, SCORE_TILE // d), REDUCE_MAX=reduce_max, HAS_HOST=host is not None,
+        HAS_LIMIT=limit is not None, num_warps=4)
     return out
 
 

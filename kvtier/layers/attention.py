@@ -53,8 +53,11 @@ class AttentionMetadata:
     # Largest position + 1 the step may touch: seq_lens' max, or the captured capacity (graphs).
     max_seq_len: int = 0
     # Set by the step planner (engine/step_plan.py decode_step): every sequence decodes one
-    # sampled token, not its first, from compute-pool pages: a step a decode graph can run.
+    # sampled token, not its first: a step a decode graph can run.
     decode_step: bool = False
+    # Some sequence's table starts with host-tier pages (negative ids; engine/step_plan.py
+    # reads_host); set by the step planner, and for capture, the variant being captured.
+    reads_host: bool = False
     # Set by the step planner from Sequence.pinned_spans: per sequence, like page_tables (no
     # graph padding rows), the sorted page indices (position // page_size, spans rounded out to
     # whole pages, clipped to this step's pages) that retrieval attention must always attend;

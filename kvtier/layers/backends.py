@@ -86,10 +86,12 @@ DENSE = _KernelPlan()
 
 
 class TritonPagedAttention:
-    """Steps whose pages are all in the compute pool run the paged kernels: the split-K decode
-    kernel when every sequence brings one token (not its first), else the varlen causal
-    prefill kernel. Steps reading host-tier pages go through the dense reference (it streams
-    them). Decode steps read only the meta's device tensors, so they are CUDA-graph capturable.
+    """Steps run the paged kernels: the split-K decode kernel when every sequence brings one
+    token (not its first), else the varlen causal prefill kernel. Host-tier pages (a pinned host
+    pool laid out as the compute pool) are read in place by decode and from a per-layer staging
+    copy by prefill; without such a pool, steps reading them go through the dense reference (it
+    streams them). Decode steps read only the meta's device tensors, so they are CUDA-graph
+    capturable, with or without host pages.
     """
 
     name = "triton"
@@ -131,13 +133,14 @@ class TritonPagedAttention:
         self.dense.pages_departed(page_ids, to_host)
 
     def graph_ready(self, meta: AttentionMetadata) -> bool:
-        """A planner-built decode step (AttentionMetadata.decode_step): the split-K kernel reads
-        only the meta's device tensors."""
-        return meta.decode_step and meta.block_table is not None
+        """A planner-built decode step (AttentionMetadata.decode_step), host-tier pages read in
+        place if it has any: the split-K kernel reads only the meta's device tensors."""
+        return meta.decode_step and meta.block_table is not None and (self.host_kernels or not meta.reads_host)
 
     def plan(self, meta: AttentionMetadata, for_graph: bool = False) -> None:
-        """Once per step, before the layers: the split count of a decode step, the prefill
-        kernel's plan (with sink rows), or DENSE for steps the paged kernels do not take."""
+        """Once per step, before the layers: the split count of a decode step (host pages read
+        in place where meta.reads_host), the prefill kernel's plan (with sink rows), or DENSE for
+        steps the paged kernels do not take."""
         if not for_graph and not self.graph_ready(meta):
             host = _has_host_pages(meta)
             if meta.block_table is None or meta.query_start_loc_t is None or (host and not self.host_kernels):
@@ -146,13 +149,6 @@ class TritonPagedAttention:
                 return
             qsl = meta.query_start_loc
             max_new = max(qsl[b + 1] - qsl[b] for b in range(meta.num_seqs))
-            if host and max_new == 1 and all(n > 1 for n in meta.seq_lens):  # decode over host pages, in place
-                from kvtier.kernels.paged_attention import choose_num_splits
-                splits = choose_num_splits(meta.num_seqs, self.store.kv_heads, meta.max_seq_len,
-                                           self.store.page_size, self.num_sms)
-                meta.step_cache[id(self)] = _KernelPlan(splits, host=True)
-                self.host_steps += 1
-                return
             self.host_steps += host
             meta.step_cache[id(self)] = _KernelPlan(
                 prefill=True, max_new=max_new, sink=plan_sink_rows(self.store, meta, meta.slot_mapping.device),
@@ -164,7 +160,9 @@ class TritonPagedAttention:
         batch = 1 << max(0, meta.num_seqs - 1).bit_length()
         splits = choose_num_splits(batch, self.store.kv_heads, self.max_context or meta.context_bound,
                                    self.store.page_size, self.num_sms)
-        meta.step_cache[id(self)] = _KernelPlan(splits)
+        if meta.reads_host and not for_graph:
+            self.host_steps += 1
+        meta.step_cache[id(self)] = _KernelPlan(splits, host=meta.reads_host)
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:

@@ -53,6 +53,15 @@ from kvtier.config import RetrievalConfig
 from kvtier.kv.summaries import PageSummaries
 from kvtier.layers.attention import AttentionMetadata, DensePagedAttention, plan_sink_rows
 
+# Selectors whose scores a captured step can compute: the fused Quest kernel (power-of-two head_dim).
+GRAPH_SELECTORS = ("quest", "quest-max")
+
+
+def graph_capable(config: RetrievalConfig, head_dim: int, device: torch.device) -> bool:
+    """Whether decode steps of this retrieval config can be captured in CUDA graphs: on CUDA, with a
+    selector scored by a kernel; the selected pages are read by the selected-pages kernel."""
+    return device.type == "cuda" and config.selector in GRAPH_SELECTORS and head_dim & (head_dim - 1) == 0
+
 
 class RetrievalAttention:
     """Sink + window + top-k pages per kv head past the budget; dense otherwise (module docstring).
@@ -94,6 +103,10 @@ class RetrievalAttention:
         self.last_selection: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # layer -> (idx, valid)
         self.retrieved_rows = 0  # decode rows (x layers) that attended to a selection
         self.in_place_host_rows = 0  # ... of them through the kernel, host pages read over the bus
+        # graph steps: each row's pinned page indices, [rows, pin cap] (-1: none), written before the
+        # step (plan) and read by the captured selection; allocated by the first (largest) capture
+        self.pin_buf: torch.Tensor | None = None
+        self._pins_set = False
 
     def attach_host_tier(self, host_store: object | None) -> None:
         self.dense.attach_host_tier(host_store)
@@ -161,12 +174,52 @@ class RetrievalAttention:
                 k = k.float() + shift.float()[None, :, None, :]
             self.summaries.refresh(layer, ids, k, rows)
 
+    @property
+    def graphable(self) -> bool:
+        """Decode steps run the graph formulation (and can be captured): kernels score and read."""
+        return self.kernel and not self.record and graph_capable(self.config, self.store.head_dim,
+                                                                 torch.device(self.store.device))
+
+    @property
+    def host_kernels(self) -> bool:
+        """Whether captured steps may read host-tier pages (the graphs' host variant)."""
+        return self.host_in_place
+
     def graph_ready(self, meta: AttentionMetadata) -> bool:
-        return False  # Python-list selection tables: eager only (a Triton version can change that)
+        """A planner-built decode step: every row selects, from tables of the block table's whole
+        width computed on the device (`_graph_tables`): the same plan captured or eager."""
+        return (self.graphable and meta.decode_step and meta.block_table is not None
+                and meta.seq_lens_t is not None and (self.host_in_place or not meta.reads_host))
 
     def plan(self, meta: AttentionMetadata, for_graph: bool = False) -> None:
-        if id(self) not in meta.step_cache:
-            meta.step_cache[id(self)] = self._plan(meta)
+        """Once per step (also before a graph replay: it stages the pinned pages)."""
+        if id(self) in meta.step_cache:
+            return
+        if for_graph or self.graph_ready(meta):
+            self._stage_pins(meta, for_graph)
+            meta.step_cache[id(self)] = _RetrievalPlan(graph=True)
+            return
+        meta.step_cache[id(self)] = self._plan(meta)
+
+    def _stage_pins(self, meta: AttentionMetadata, for_graph: bool) -> None:
+        """Write the step's pinned page indices into `pin_buf` (rows without any: -1)."""
+        n = meta.num_seqs
+        # admission keeps pinned + sink + window pages within the budget: at most k of them (_tables)
+        _, window_pages, _ = self.config.page_counts(self.store.page_size)
+        cap = max(1, self.budget_pages - self.sink_pages - (window_pages - 1))
+        if self.pin_buf is None or self.pin_buf.shape[0] < n:
+            self.pin_buf = torch.full((n, cap), -1, dtype=torch.long, device=self.store.device)
+            self._pins_set = False
+        lists = None if for_graph else meta.pinned_pages
+        if lists and any(lists):
+            pins = torch.full((n, cap), -1, dtype=torch.long)
+            for i, pages in enumerate(lists):
+                pins[i, :len(pages[:cap])] = torch.tensor(pages[:cap], dtype=torch.long)
+            self.pin_buf[:n].copy_(pins)
+            self._pins_set = True
+        elif self._pins_set:
+            self.pin_buf.fill_(-1)
+            self._pins_set = False
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
@@ -175,6 +228,11 @@ class RetrievalAttention:
         if plan is None:
             plan = meta.step_cache[id(self)] = self._plan(meta)
         self.summaries.update(layer, meta.slot_mapping, k)
+        if plan.graph:  # every row selects; layer 0 builds the tables (inside a capture: replayed)
+            if layer == 0:
+                plan.sel = self._graph_tables(meta)
+            self.store.write(layer, meta.slot_mapping, k, v)  # decode rows: never position 0
+            return self._retrieve(layer, q, plan.sel)
         if plan.sel is None:
             return self.full.forward(layer, q, k, v, meta)
         self.store.write(layer, meta.slot_mapping, k, v, sink=plan.sink)
@@ -225,10 +283,9 @@ class RetrievalAttention:
         Candidates are every table column, masked; each row takes top_k[r] = budget pages -
         its fixed pages of them, at most `k` (the budget less the fewest fixed pages of a row past
         the budget)."""
-        ps, window = self.store.page_size, max(self.config.window, 1)
-        sink_pages, window_pages, budget_pages = self.config.page_counts(ps)
+        ps = self.store.page_size
         # candidates: the columns up to the step's longest selecting table (a captured step
-        # would take the whole block-table width instead)
+        # takes the whole block-table width instead: _graph_tables)
         width = max(-(-meta.seq_lens[b] // ps) for b in sel)
         if meta.block_table is not None and meta.seq_lens_t is not None:
             rows_t = torch.tensor(sel, dtype=torch.long).to(device, non_blocking=True)
@@ -241,6 +298,31 @@ class RetrievalAttention:
                 bt[i, :len(pt)] = torch.tensor(pt, dtype=torch.long)
             bt = bt.to(device, non_blocking=True)
             ctx = torch.tensor([meta.seq_lens[b] for b in sel], dtype=torch.long).to(device, non_blocking=True)
+        pin = None
+        lists = meta.pinned_pages
+        if lists and any(lists[b] for b in sel):  # pinned pages between the sink and the window: fixed
+            most = max(len(lists[b]) for b in sel)
+            pin = torch.full((len(sel), most), -1, dtype=torch.long)
+            for i, b in enumerate(sel):
+                pin[i, :len(lists[b])] = torch.tensor(lists[b], dtype=torch.long)
+            pin = pin.to(device, non_blocking=True)
+        rows = torch.tensor([meta.query_start_loc[b] for b in sel], dtype=torch.long).to(device, non_blocking=True)
+        return self._tables(bt, ctx, pin, rows, any(meta.page_tables[b][0] < 0 for b in sel))
+
+    def _graph_tables(self, meta: AttentionMetadata) -> "_Selection":
+        """`_tables` of every row of a decode step over the whole block table (device ops only:
+        capturable); padding rows (length 0) select nothing."""
+        bt = meta.block_table.long()  # type: ignore[union-attr]
+        return self._tables(bt, meta.seq_lens_t.long(), self.pin_buf[:bt.shape[0]], None,  # type: ignore[union-attr,index]
+                            meta.reads_host)
+
+    def _tables(self, bt: torch.Tensor, ctx: torch.Tensor, pin: torch.Tensor | None, rows: torch.Tensor | None,
+                has_host: bool) -> "_Selection":
+        """bt: [R, width] page tables, ctx: [R] lengths, pin: [R, P] pinned page indices (-1: none)
+        -> the selection tables (`_selection_tables`)."""
+        ps, window = self.store.page_size, max(self.config.window, 1)
+        sink_pages, window_pages, budget_pages = self.config.page_counts(ps)
+        device = bt.device
         r, width = bt.shape
         n = (ctx + ps - 1) // ps
         n_sink = n.clamp(max=sink_pages)
@@ -252,13 +334,7 @@ class RetrievalAttention:
         win_idx = torch.where(win_idx < n[:, None], win_idx, -1)
         cand = (cols >= n_sink[:, None]) & (cols < w0[:, None])  # [R, width]
         parts = [sink_idx, win_idx]
-        lists = meta.pinned_pages
-        if lists and any(lists[b] for b in sel):  # pinned pages between the sink and the window: fixed
-            most = max(len(lists[b]) for b in sel)
-            pin = torch.full((r, most), -1, dtype=torch.long)
-            for i, b in enumerate(sel):
-                pin[i, :len(lists[b])] = torch.tensor(lists[b], dtype=torch.long)
-            pin = pin.to(device, non_blocking=True)
+        if pin is not None:  # pinned pages between the sink and the window: fixed
             ok = (pin >= n_sink[:, None]) & (pin < w0[:, None])
             pin = torch.where(ok, pin, -1)
             parts.append(pin)
@@ -271,11 +347,10 @@ class RetrievalAttention:
         cand_idx = torch.where(cand, cols, -1)
         hkv, n_sel = self.store.kv_heads, fixed_idx.shape[1] + k
         return _Selection(
-            rows=torch.tensor([meta.query_start_loc[b] for b in sel], dtype=torch.long).to(device, non_blocking=True),
-            ctx=ctx, fixed_idx=fixed_idx, fixed_ids=bt.gather(1, fixed_idx.clamp_min(0)),
+            rows=rows, ctx=ctx, fixed_idx=fixed_idx, fixed_ids=bt.gather(1, fixed_idx.clamp_min(0)),
             cand_idx=cand_idx, cand_ids=bt, top_k=top_k, k=k, table=bt,
             starts=torch.arange(r * hkv, dtype=torch.long, device=device) * n_sel,
-            has_host=any(meta.page_tables[b][0] < 0 for b in sel))  # host pages head a table
+            has_host=has_host, limit=w0)
 
     # -- per layer --------------------------------------------------------------------------------
 
@@ -287,23 +362,25 @@ class RetrievalAttention:
         pad = sel.cand_idx[:, None, :] < 0
         if self.config.selector == "hybrid":  # half the picks by the Quest bound, the rest by centroid
             k1 = sel.k // 2
-            s1 = page_scores("quest", qg, self.summaries, layer, sel.cand_ids, self.host_summaries, self.kernel)
+            s1 = page_scores("quest", qg, self.summaries, layer, sel.cand_ids, self.host_summaries, self.kernel,
+                             sel.limit)
             top1 = s1.masked_fill(pad, float("-inf")).topk(k1, dim=-1).indices
             s2 = page_scores("centroid", qg, self.summaries, layer, sel.cand_ids, self.host_summaries)
             s2 = s2.masked_fill(pad, float("-inf")).scatter(-1, top1, float("-inf"))
             top = torch.cat([top1, s2.topk(sel.k - k1, dim=-1).indices], dim=-1)  # [R, Hkv, K]
         else:
             scores = page_scores(self.config.selector, qg, self.summaries, layer, sel.cand_ids,
-                                 self.host_summaries, self.kernel)  # [R, Hkv, C]
+                                 self.host_summaries, self.kernel, sel.limit)  # [R, Hkv, C]
             top = scores.masked_fill(pad, float("-inf")).topk(sel.k, dim=-1).indices  # [R, Hkv, K]
         c = sel.cand_idx.shape[1]
         top_idx = sel.cand_idx[:, None, :].expand(r, hkv, c).gather(-1, top)
         top_ids = sel.cand_ids[:, None, :].expand(r, hkv, c).gather(-1, top)
-        top_ok = torch.arange(sel.k, device=q.device)[None, None, :] < sel.top_k[:, None, None]
+        # a row with fewer candidates than k (a captured step's short contexts) takes them all
+        top_ok = (torch.arange(sel.k, device=q.device)[None, None, :] < sel.top_k[:, None, None]) & (top_idx >= 0)
         f = sel.fixed_idx.shape[1]
         idx = torch.cat([sel.fixed_idx[:, None, :].expand(r, hkv, f), top_idx], dim=-1)
         ids = torch.cat([sel.fixed_ids[:, None, :].expand(r, hkv, f), top_ids], dim=-1)
-        valid = torch.cat([(sel.fixed_idx >= 0)[:, None, :].expand(r, hkv, f), top_ok.expand(r, hkv, -1)], dim=-1)
+        valid = torch.cat([(sel.fixed_idx >= 0)[:, None, :].expand(r, hkv, f), top_ok], dim=-1)
         return idx.clamp_min(0), ids, valid
 
     def _retrieve(self, layer: int, q: torch.Tensor, sel: "_Selection") -> torch.Tensor:
@@ -343,7 +420,9 @@ class RetrievalAttention:
         store, fmt = self.store, self.store.fmt
         r, hkv, n_sel = idx.shape
         sink = store.kernel_sink(layer)
-        splits = selected_num_splits(r, hkv, n_sel, store.page_size, self.num_sms)
+        # rows rounded up to a power of two: an eager step and the padded graph replaying it split
+        # alike (captured sizes never pass the next power of two, engine/cuda_graph.py)
+        splits = selected_num_splits(1 << max(0, r - 1).bit_length(), hkv, n_sel, store.page_size, self.num_sms)
         page_idx = torch.where(valid, idx, torch.full_like(idx, -1))
         native = store.kernel_native(layer, q.shape[-1]) if self.native else None
         if self.native and native is None:
@@ -495,7 +574,7 @@ class HostPageCache:
 class _Selection:
     """The selecting rows of one step (R of them) and their page tables (device tensors)."""
 
-    rows: torch.Tensor  # [R] packed row of each selecting sequence's decode token
+    rows: torch.Tensor | None  # [R] packed row of each selecting sequence's decode token (None: all rows)
     ctx: torch.Tensor  # [R] its context length (keys 0..ctx-1)
     fixed_idx: torch.Tensor  # [R, F] sink + window (+ pinned) page indices (-1: none)
     fixed_ids: torch.Tensor  # [R, F] their pool page ids
@@ -506,11 +585,13 @@ class _Selection:
     table: torch.Tensor  # [R, C] the page tables (block-table rows; mass recording)
     starts: torch.Tensor  # [R * Hkv] position of page 0 in the flattened selection (sink rows)
     has_host: bool = False  # some selecting sequence has host-tier pages
+    limit: torch.Tensor | None = None  # [R] columns at or past this are not candidates (the window's start)
 
 
 @dataclass
 class _RetrievalPlan:
     sel: _Selection | None = None  # None: no row selects; the whole step is the dense backend's
+    graph: bool = False  # a decode step in the graph formulation: every row selects (sel built at layer 0)
     sink: tuple[torch.Tensor, torch.Tensor] | None = None  # (rows at position 0, sink slots)
     rest_rows: torch.Tensor | None = None  # [T'] packed rows of the other sequences
     rest_meta: AttentionMetadata | None = field(default=None, repr=False)  # those rows, for dense
@@ -529,20 +610,22 @@ def summary_rows(summaries: PageSummaries, host: PageSummaries | None, name: str
 
 
 def page_scores(selector: str, qg: torch.Tensor, summaries: PageSummaries, layer: int,
-                cand_ids: torch.Tensor, host: PageSummaries | None = None, kernel: bool = False) -> torch.Tensor:
+                cand_ids: torch.Tensor, host: PageSummaries | None = None, kernel: bool = False,
+                limit: torch.Tensor | None = None) -> torch.Tensor:
     """qg: [R, Hkv, g, D] fp32 raw queries; cand_ids: [R, C] pages (negative: host tier, whose
     summaries are `host`) -> scores [R, Hkv, C].
 
     Pages with no summary (never written in this pool) score +inf: chosen first, never missed.
     kernel: the Quest selectors through kernels/retrieval_attention.py quest_scores (one launch,
-    no gathered copies of the summaries; power-of-two head_dim).
+    no gathered copies of the summaries; power-of-two head_dim), which skips each row's columns
+    at or past `limit` ([R]; their scores are left unset: the caller masks them).
     """
     r, hkv, d = qg.shape[0], qg.shape[1], qg.shape[-1]
     if kernel and selector in ("quest", "quest-max") and d & (d - 1) == 0:
         from kvtier.kernels.retrieval_attention import quest_scores
         rows = lambda t: (t.kmin[layer], t.kmax[layer], t.count[layer])  # noqa: E731
         return quest_scores(qg, rows(summaries), cand_ids, selector == "quest-max",
-                            rows(host) if host is not None else None)
+                            rows(host) if host is not None else None, limit)
     rows = lambda name: summary_rows(summaries, host, name, layer, cand_ids)  # noqa: E731
     count = rows("count")  # [R, C]
     if selector in ("meankey", "centroid"):

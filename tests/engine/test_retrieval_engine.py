@@ -87,3 +87,39 @@ def test_host_tier_forced_equals_one_big_pool(kv_dtype, budget):
     eng.manager.check_integrity()
     eng.pool.check_integrity()
     eng.host_pool.check_integrity()
+
+
+@pytest.fixture
+def graph_formulation(monkeypatch):
+    """Decode steps planned as a captured step plans them (layers/retrieval.py `_graph_tables`:
+    every row selects, tables over the whole block-table width, pinned pages from `pin_buf`),
+    here eagerly on CPU: that formulation's selections are checked where CUDA graphs are absent."""
+    monkeypatch.setattr(RetrievalAttention, "graphable", property(lambda self: not self.record))
+
+
+def test_graph_formulation_budget_at_least_context_is_dense(graph_formulation):
+    model = tiny_model()
+    dense = generate(engine(model, None, prefill_chunk=32))
+    eng = engine(model, RetrievalConfig(budget=512, sink=4, window=16), prefill_chunk=32)
+    assert generate(eng) == dense
+    assert eng.runner.backend.retrieved_rows > 0  # every decode row selected: all its pages
+
+
+def test_graph_formulation_equals_eager_selection(monkeypatch):
+    model = tiny_model()
+    cfg = RetrievalConfig(budget=48, sink=4, window=16)
+    eager = generate(engine(model, cfg, prefill_chunk=16, max_batch=3))
+    monkeypatch.setattr(RetrievalAttention, "graphable", property(lambda self: not self.record))
+    eng = engine(model, cfg, prefill_chunk=16, max_batch=3)
+    assert generate(eng) == eager
+    assert eng.runner.backend.pin_buf is not None  # the graph formulation ran
+
+
+@pytest.mark.parametrize("kv_dtype", ["auto", "int8"])
+def test_graph_formulation_host_tier_forced_equals_one_big_pool(graph_formulation, kv_dtype):
+    model = tiny_model()
+    cfg = RetrievalConfig(budget=48, sink=4, window=16)
+    ref = generate(engine(model, cfg, prefill_chunk=16, max_batch=1, kv_dtype=kv_dtype))
+    eng = engine(model, cfg, prefill_chunk=16, max_batch=1, num_pages=14, host_kv_mib=1, kv_dtype=kv_dtype)
+    assert generate(eng) == ref
+    assert eng.manager.stats()["offloads"] > 0 and eng.runner.backend.pin_buf is not None

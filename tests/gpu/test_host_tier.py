@@ -42,8 +42,8 @@ def model() -> Decoder:
 
 
 def run(model: Decoder, kv: str, num_pages: int, host_kv_mib: int = 0,
-        retrieval: RetrievalConfig | None = None) -> tuple[list[list[int]], Engine]:
-    cfg = EngineConfig(device="cuda", dtype="fp32", max_batch=2, prefill_chunk=64,
+        retrieval: RetrievalConfig | None = None, graphs: str = "auto") -> tuple[list[list[int]], Engine]:
+    cfg = EngineConfig(device="cuda", dtype="fp32", max_batch=2, prefill_chunk=64, cuda_graphs=graphs,
                        retrieval=retrieval or RetrievalConfig(),
                        cache=CacheConfig(kv_dtype=kv, num_pages=num_pages, page_size=PS, host_kv_mib=host_kv_mib))
     eng = Engine(model, None, cfg, model_name="random", max_model_len=1024)
@@ -57,9 +57,13 @@ def run(model: Decoder, kv: str, num_pages: int, host_kv_mib: int = 0,
 @pytest.mark.parametrize("kv", ["fp32", "int8", "k8v4"])
 def test_dense_kernels_over_host_pages_equal_one_big_pool(model, kv):
     big, _ = run(model, kv, num_pages=128)
-    small, eng = run(model, kv, num_pages=10, host_kv_mib=16)
+    eager, eng = run(model, kv, num_pages=10, host_kv_mib=16, graphs="off")
     assert eng.runner.backend.name == "triton"
-    assert eng.runner.backend.host_steps > 0  # host pages were read by the kernels, not streamed
+    assert eng.runner.backend.host_steps > GEN // 2  # host pages were read by the kernels, not streamed
+    assert eager == big
+    small, eng = run(model, kv, num_pages=10, host_kv_mib=16)
+    # decode past the pool replays the graphs' host variant (the kernels read host pages in place)
+    assert eng.runner.graphs.variants == (False, True) and eng.runner.host_graph_steps > GEN // 2
     assert small == big
 
 
@@ -71,4 +75,8 @@ def test_retrieval_kernel_over_host_pages_equals_one_big_pool(model, kv):
     be = eng.runner.backend
     assert isinstance(be, RetrievalAttention) and be.host_in_place
     assert be.in_place_host_rows > 0 and ref.runner.backend.retrieved_rows > 0
+    # decode steps replayed CUDA graphs, selections over host pages included
+    assert eng.runner.graphs.variants == (False, True) and eng.runner.host_graph_steps > GEN // 2
     assert small == big
+    eager, eng = run(model, kv, num_pages=10, host_kv_mib=16, retrieval=cfg, graphs="off")
+    assert eng.runner.graph_steps == 0 and eager == big

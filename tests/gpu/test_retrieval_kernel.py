@@ -153,6 +153,10 @@ def test_quest_scores_match_reference_and_page_scores(with_host: bool) -> None:
         assert torch.equal(got.isinf(), want.isinf())
         fin = ~want.isinf()
         torch.testing.assert_close(got[fin], want[fin], rtol=1e-5, atol=1e-3)
+        limit = torch.tensor([2000, 1999, 257, 256, 1, 0, 1000, 31], device="cuda")
+        lim = ra.quest_scores(qg, dev, ids, reduce_max, host, limit=limit)
+        for r, n in enumerate(limit.tolist()):  # the columns under each row's limit: the same bits
+            assert torch.equal(lim[r, :, :n], got[r, :, :n])
         if not with_host:
             torch.testing.assert_close(got, page_scores("quest-max" if reduce_max else "quest", qg, summ, 0, ids),
                                        rtol=1e-5, atol=1e-3)

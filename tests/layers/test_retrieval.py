@@ -225,6 +225,34 @@ def test_pinned_pages_are_always_attended_and_never_candidates():
     assert not torch.equal(free.last_selection[0][0], idx)
 
 
+def test_graph_tables_select_the_same_pages_as_the_step_tables():
+    """The tables a captured decode step builds (whole block-table width, every row, pinned pages
+    from the staged `pin_buf`, a short row taking all its pages) pick what the eager tables pick."""
+    hq, hkv = 4, 2
+    cfg = RetrievalConfig(budget=28, sink=1, window=1, selector="quest")
+    pool = PagePool(make_format("fp32"), 1, PAGES, hkv, PS, D, "cpu")
+    retr = RetrievalAttention(pool, D ** -0.5, cfg)
+    meta, q, k, v = _fill(pool, [retr], [61, 45, 13], [1, 1, 1], hq, seed=11)
+    meta.pinned_pages = [[3, 4, 9], [], []]
+    width = 24  # wider than any table, as the planner's block table is
+    meta.block_table = torch.zeros(3, width, dtype=torch.int32)
+    for b, pt in enumerate(meta.page_tables):
+        meta.block_table[b, :len(pt)] = torch.tensor(pt)
+    meta.seq_lens_t = torch.tensor(meta.seq_lens, dtype=torch.int32)
+    eager = retr.select(0, q[[0, 1]], retr._selection_tables(meta, [0, 1], torch.device("cpu")))
+    retr._stage_pins(meta, for_graph=False)
+    graph = retr.select(0, q, retr._graph_tables(meta))
+
+    def chosen(sel, r, h):
+        idx, _, valid = sel
+        return sorted(int(p) for p, ok in zip(idx[r, h], valid[r, h]) if ok)
+    for h in range(hkv):
+        for r in (0, 1):
+            assert chosen(graph, r, h) == chosen(eager, r, h)
+        assert chosen(graph, 2, h) == [0, 1, 2, 3]  # 13 tokens under the budget: every page, once
+    assert {3, 4, 9} <= set(chosen(graph, 0, 0))
+
+
 def test_config_validation_and_registry():
     with pytest.raises(ValueError, match="selector"):
         RetrievalConfig(budget=64, selector="oracle")

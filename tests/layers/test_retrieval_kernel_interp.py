@@ -132,6 +132,11 @@ def check_quest_scores(ra, hkv: int, g: int, d: int, with_host: bool, seed: int)
         fin = ~want.isinf()
         assert torch.allclose(got[fin], want[fin], rtol=1e-5, atol=1e-4), \
             f"max={reduce_max}: max |kernel - ref| = {(got[fin] - want[fin]).abs().max():.3g}"
+        # a limit per row (a captured step's whole-width table): the columns before it are the same
+        limit = torch.tensor([37, 5, 0])
+        lim = ra.quest_scores(qg, dev, ids, reduce_max, host, limit=limit)
+        for r, n in enumerate(limit.tolist()):
+            assert torch.equal(lim[r, :, :n], got[r, :, :n]), f"max={reduce_max}: row {r} under limit {n}"
 
 
 @pytest.mark.parametrize("selector", ["quest", "quest-max"])
