@@ -135,7 +135,7 @@ def filter_logits(logits: torch.Tensor, params: Sequence[SamplingParams]) -> tor
     use_k = any(p.top_k > 0 for p in params)
     use_p = any(p.top_p < 1.0 for p in params)
     if use_k or use_p:
-        sorted_logits, _ = out.sort(dim=1, descending=True)  # [B, V]
+        sorted_logits = _top_sorted(out, params)  # [B, W]: each row's W largest, descending
         if use_k:
             k = torch.tensor([min(p.top_k, V) if p.top_k > 0 else V for p in params], device=dev)
             kth = sorted_logits.gather(1, (k - 1).unsqueeze(1))  # [B, 1]
@@ -143,7 +143,8 @@ def filter_logits(logits: torch.Tensor, params: Sequence[SamplingParams]) -> tor
             sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, NEG_INF)
         if use_p:
             top_p = torch.tensor([p.top_p for p in params], dtype=logits.dtype, device=dev)
-            sorted_probs = sorted_logits.softmax(dim=1)
+            # normalised over the whole (top-k filtered) row: sorted_logits may hold only its top ranks
+            sorted_probs = (sorted_logits - out.logsumexp(dim=1, keepdim=True)).exp()
             before = sorted_probs.cumsum(dim=1) - sorted_probs  # mass strictly above each rank
             # keep the smallest top set whose mass reaches top_p (HF keeps >= 1 token)
             keep = before < top_p.unsqueeze(1)
@@ -157,6 +158,32 @@ def filter_logits(logits: torch.Tensor, params: Sequence[SamplingParams]) -> tor
         threshold = probs.max(dim=1, keepdim=True).values * min_p.unsqueeze(1)
         out = out.masked_fill(probs < threshold, NEG_INF)
     return out
+
+
+# Ranks sorted for top-k / top-p: a full sort of a 49K-151K vocabulary costs milliseconds a step on a
+# CPU (3 ms for 49K on the 2-core box, against ~0.1 ms for topk(1024)); the kept set is nearly
+# always far smaller. A row whose top_p mass is not reached within these ranks sorts everything.
+TOP_SORTED = 1024
+
+
+def _top_sorted(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """Each row's W largest logits in descending order, W enough for every row's top_k and top_p:
+    TOP_SORTED ranks (or the largest top_k) when their probability mass reaches each top_p row's
+    top_p, else all V (the exact result either way: ranks past W are never kept)."""
+    v = logits.shape[1]
+    w = max([TOP_SORTED] + [p.top_k for p in params])
+    if w >= v:
+        return logits.sort(dim=1, descending=True).values
+    top = logits.topk(w, dim=1).values  # sorted, descending
+    rows = [b for b, p in enumerate(params) if p.top_p < 1.0]
+    if rows:
+        r = torch.tensor(rows, device=logits.device)
+        lse = logits[r].logsumexp(dim=1)
+        mass = (top[r] - lse[:, None]).exp().sum(dim=1)  # share of each row's mass in its W ranks
+        need = torch.tensor([params[b].top_p for b in rows], dtype=mass.dtype, device=mass.device)
+        if not bool((mass >= need).all()):
+            return logits.sort(dim=1, descending=True).values
+    return top
 
 
 def _prepare(logits: torch.Tensor, params: Sequence[SamplingParams],
@@ -222,14 +249,19 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams],
         return tokens
     s = torch.tensor(sampled, device=out.device)
     probs = filter_logits(out[s], [params[b] for b in sampled]).softmax(dim=1)  # [S, V]
-    noise = torch.empty_like(probs)
+    # inverse CDF: one uniform draw per row against the cumulative mass (fp64), the first token
+    # whose cumulative mass passes it. One draw instead of V exponentials (0.73 ms a step for a
+    # 49K vocabulary on a CPU core); a token of zero probability is never passed over to.
+    u = torch.empty(len(sampled), 1, dtype=torch.float64, device=probs.device)
     shared = [i for i, b in enumerate(sampled) if generators[b] is None]
     if shared:
-        noise[shared] = torch.empty(len(shared), probs.shape[1], device=probs.device).exponential_()
+        u[shared] = torch.rand(len(shared), 1, dtype=torch.float64, device=probs.device)
     for i, b in enumerate(sampled):
         if generators[b] is not None:
-            noise[i].exponential_(generator=generators[b])
-    # exponential_ can return exactly 0; 0/0 would be NaN and argmax picks NaN
-    noise.clamp_(min=torch.finfo(noise.dtype).tiny)
-    tokens[s] = (probs / noise).argmax(dim=1)
+            u[i] = torch.rand(1, dtype=torch.float64, device=probs.device, generator=generators[b])
+    cdf = probs.double().cumsum(dim=1)
+    pick = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).clamp_(max=probs.shape[1] - 1)  # [S, 1]
+    # u * total rounding up to the total can only pass the last token: fall back to the likeliest
+    ok = probs.gather(1, pick) > 0
+    tokens[s] = torch.where(ok, pick, probs.argmax(dim=1, keepdim=True)).squeeze(1)
     return tokens

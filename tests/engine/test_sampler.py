@@ -206,3 +206,26 @@ def test_seeded_draws_follow_the_distribution() -> None:
     freq = torch.bincount(toks, minlength=V).double() / n
     ref = reference_probs(row.tolist(), p)
     assert 0.5 * sum(abs(f - r) for f, r in zip(freq.tolist(), ref)) < 0.04
+
+
+def test_large_vocab_filters_match_the_full_sort() -> None:
+    """On a 50K vocabulary top-k / top-p sort only the top ranks (sampler.TOP_SORTED) when those
+    hold each row's top_p mass, else everything: the same distribution as the reference either way
+    (a peaked row stops early, a flat one falls back, top_k above TOP_SORTED widens the ranks)."""
+    g = torch.Generator().manual_seed(3)
+    v = 50_000
+    peaked = torch.randn(v, generator=g) * 4
+    flat = torch.randn(v, generator=g) * 0.1
+    cases = [(peaked, SamplingParams(temperature=1.0, top_p=0.9)),
+             (flat, SamplingParams(temperature=1.0, top_p=0.9)),
+             (flat, SamplingParams(temperature=0.7, top_k=2000, top_p=0.95)),
+             (peaked, SamplingParams(temperature=1.0, top_k=50, min_p=0.01))]
+    logits = torch.stack([row for row, _ in cases])
+    params = [p for _, p in cases]
+    probs = filtered_probs(logits, params)
+    for b, (row, p) in enumerate(cases):
+        ref = torch.tensor(reference_probs(row.tolist(), p), dtype=torch.float32)
+        assert torch.allclose(probs[b], ref, atol=1e-6), b
+        assert int((ref > 0).sum()) > (1024 if b == 1 else 1)  # the flat row keeps more than the top ranks
+    toks = sample(logits, params, [None] * len(cases))
+    assert all(probs[b, toks[b]] > 0 for b in range(len(cases)))
