@@ -94,7 +94,8 @@ def cmd_serve(a: argparse.Namespace) -> int:
     scfg = ServerConfig(host=a.host, port=a.port, api_key=key, cors=tuple(a.cors),
                         max_concurrency=a.max_concurrency, max_queue=a.max_queue,
                         model_name=a.served_name or a.model, default_temperature=a.temperature,
-                        default_top_p=a.top_p, default_top_k=a.top_k, default_min_p=a.min_p)
+                        default_top_p=a.top_p, default_top_k=a.top_k, default_min_p=a.min_p,
+                        progress_log_s=a.progress_log_s)
     from kvtier.engine.plan import checked_engine_config
     config = checked_engine_config(_engine_config(a), a.model, a.gpu_memory_limit)  # refuses before loading
     # built on the thread that will step it (AsyncEngine.start: one OpenMP team on CPU)
@@ -335,6 +336,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--min-p", type=float, default=0.0, help="default min_p (as --temperature)")
     p.add_argument("--gpu-memory-limit", default=None,
                    help="cap on everything kvtier allocates on the GPU, e.g. 12GiB (checked by `kvtier plan`)")
+    p.add_argument("--progress-log-s", type=float, default=1.0, metavar="SECONDS",
+                   help="a long request logs what it is doing (prompt read, tokens out, tok/s) this often")
     p.set_defaults(fn=cmd_serve)
     p = sub.add_parser("generate", help="complete one prompt")
     _engine_args(p)

@@ -206,8 +206,11 @@ class ServerConfig:
     default_top_p: float = 1.0
     default_top_k: int = 0
     default_min_p: float = 0.0
+    progress_log_s: float = 1.0  # seconds between a request's progress lines in the server log
 
     def __post_init__(self) -> None:
+        if self.progress_log_s <= 0:
+            raise ValueError(f"progress log interval must be > 0 seconds, got {self.progress_log_s}")
         if not (0 <= self.default_temperature <= 2):
             raise ValueError(f"default temperature must be in [0, 2], got {self.default_temperature}")
         if not (0 < self.default_top_p <= 1) or not (0 <= self.default_min_p <= 1) or self.default_top_k < 0:

@@ -332,7 +332,7 @@ def prepare(ctx, request_id: str, messages: list[dict], tools: list[dict] | None
     return Prepared(request=Request(request_id, ids, params, grammar=grammar, pinned_spans=spans),
                     tools=bool(offered), starts_in_reasoning=starts_in_reasoning(text), prompt_text=text,
                     tool_names=tuple(t["function"]["name"] for t in offered or []), memory=ctx.outputs,
-                    prefill=prefill)
+                    prefill=prefill, progress_log_s=ctx.config.progress_log_s)
 
 
 def _pinned(ctx, messages: list[dict], tools: list[dict] | None, template_kwargs: dict | None,
@@ -358,7 +358,8 @@ def prepare_raw(ctx, request_id: str, ids: list[int], body: Any, max_tokens: int
         raise bad_request("the prompt is empty", param="prompt")
     budget = resolve_max_tokens(max_tokens, len(ids), ctx.max_model_len)
     return Prepared(request=Request(request_id, ids, sampling_params(body, budget, stop, ctx.config)),
-                    tools=False, starts_in_reasoning=False, reasoning=False)
+                    tools=False, starts_in_reasoning=False, reasoning=False,
+                    progress_log_s=ctx.config.progress_log_s)
 
 
 def thinking_kwargs(enabled: bool | None, extra: dict | None = None) -> dict:

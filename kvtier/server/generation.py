@@ -43,6 +43,7 @@ class Prepared:
     tool_names: tuple[str, ...] = ()
     memory: OutputMemory | None = None  # remembers the output's token ids for the next turn
     prefill: str = ""  # the assistant text the output continues (part of the turn the client sends back)
+    progress_log_s: float = PROGRESS_LOG_INTERVAL_S  # seconds between a request's progress lines in the log
 
 
 @dataclass
@@ -95,9 +96,11 @@ class Collected:
 
 
 class ProgressLog:
-    """Once a second per request, one line in the server log about what it is doing."""
+    """Once an interval (a second by default) per request, one line in the server log about what it
+    is doing; none for requests done within the interval."""
 
-    def __init__(self, request: Request):
+    def __init__(self, request: Request, interval: float = PROGRESS_LOG_INTERVAL_S):
+        self.interval = interval
         self.rid = request.request_id[-8:]
         self.max_tokens = request.params.max_tokens
         self.t0 = time.monotonic()
@@ -108,13 +111,13 @@ class ProgressLog:
 
     def _due(self) -> bool:
         now = time.monotonic()
-        if now - self.last < PROGRESS_LOG_INTERVAL_S:
+        if now - self.last < self.interval:
             return False
         self.last = now
         return True
 
     def prefill(self, p: Progress) -> None:
-        if self._due() and time.monotonic() - self.t0 >= PROGRESS_LOG_INTERVAL_S:
+        if self._due() and time.monotonic() - self.t0 >= self.interval:
             log.info("[%s] reading the prompt: %s of %s tokens (%s cached), %d s so far", self.rid,
                      f"{p.processed:,}", f"{p.total:,}", f"{p.cached:,}", time.monotonic() - self.t0)
 
@@ -122,7 +125,7 @@ class ProgressLog:
         if self.decode_t0 is None:
             self.decode_t0 = time.monotonic()
         self.tokens += n
-        if self._due() and time.monotonic() - self.t0 >= PROGRESS_LOG_INTERVAL_S:
+        if self._due() and time.monotonic() - self.t0 >= self.interval:
             rate = self.tokens / max(time.monotonic() - self.decode_t0, 1e-6)
             log.info("[%s] %s: %s of max %s tokens, %.1f tok/s, %d s", self.rid, self.phase,
                      f"{self.tokens:,}", f"{self.max_tokens:,}", rate, time.monotonic() - self.t0)
@@ -169,7 +172,7 @@ async def run_events(engine, prep: Prepared) -> AsyncIterator[object]:
     """Yield parser events, ProgressEvent, and finally one Finished; abort on early exit."""
     req = prep.request
     parser = OutputParser(tools=prep.tools, reasoning=prep.reasoning, starts_in_reasoning=prep.starts_in_reasoning)
-    plog = ProgressLog(req)
+    plog = ProgressLog(req, prep.progress_log_s)
     names: dict[int, str] = {}
     ws = _WhitespaceHold()
     bare = BareCallHold(prep.tool_names if prep.tools else ())

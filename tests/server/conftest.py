@@ -106,7 +106,8 @@ class ServerProcess:
 
 # The embedded model served for real: CPU, small context so prompt + max_tokens checks are cheap,
 # small prefill chunks so a ~1k-token prompt reports progress.
-REAL_MODEL_ARGS = ["--device", "cpu", "--max-model-len", "2048", "--prefill-chunk", "128"]
+# progress lines every 0.2 s: a test prompt's prefill can finish within the default second on a fast box
+REAL_MODEL_ARGS = ["--device", "cpu", "--max-model-len", "2048", "--prefill-chunk", "128", "--progress-log-s", "0.2"]
 
 
 def real_server_process(*extra: str) -> ServerProcess:
