@@ -32,7 +32,7 @@ from kvtier.layers.norm import RMSNorm
 from kvtier.layers.qlinear import QuantLinear, QuantRef, Scratch, make_linear
 from kvtier.layers.qweight import QuantWeight
 from kvtier.layers.rotary import RotaryEmbedding
-from kvtier.models.loading.base import LazyTensors, release_free_memory
+from kvtier.models.loading.base import LazyTensors, loading_heap, release_free_memory
 from kvtier.models.registry import expected_shapes, optional_shapes
 
 # Activation/weight dtypes the decoder runs in.
@@ -218,7 +218,7 @@ class Decoder(torch.nn.Module):
             cast = _Placing(tensors, place)
         else:
             cast = {n: place(n, t) for n, t in tensors.items()}
-        with torch.device(device):
+        with torch.device(device), loading_heap():
             return cls(spec, cast, dtype, device)
 
     def enable_int8_gemv(self, source_types: dict[str, str] | None = None) -> None:
