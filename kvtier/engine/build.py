@@ -110,9 +110,7 @@ def build_engine(model: str, config: EngineConfig | None = None, show_progress: 
         tok = Tokenizer.from_checkpoint(ckpt)
         prog.update(task, advance=1)
     name = model if not Path(model).exists() else Path(model).stem
-    engine = Engine(net, tok, config, model_name=name)
-    # Offloaded pages of sequences longer than the GPU pool are streamed from the host tier.
-    engine.runner.backend.attach_host_tier(engine.host_pool)
+    engine = Engine(net, tok, config, model_name=name)  # its backend reads the host tier it made
     if show_progress:
         spec = ckpt.spec
         console.print(f"[green]loaded[/] {name}: {spec.arch}, {spec.num_layers} layers, "

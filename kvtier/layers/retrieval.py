@@ -109,6 +109,10 @@ class RetrievalAttention:
         self._pins_set = False
 
     def attach_host_tier(self, host_store: object | None) -> None:
+        """Use `host_store` as the host tier (None: none). Attaching the one already attached keeps
+        the state (summaries, fetch cache) that captured CUDA graphs read."""
+        if host_store is not None and host_store is getattr(self, "host_store", None):
+            return
         self.dense.attach_host_tier(host_store)
         if self.full is not self.dense:
             self.full.attach_host_tier(host_store)

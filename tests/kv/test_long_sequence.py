@@ -34,7 +34,6 @@ def generate(smol, prompt: list[int], kv: str, **cache_kw):
     cfg = EngineConfig(device="cpu", dtype="fp32", prefill_chunk=512,
                        cache=CacheConfig(page_size=16, kv_dtype=kv, **cache_kw))
     eng = Engine(model, tok, cfg, model_name="smollm2-135m")
-    eng.runner.backend.attach_host_tier(eng.host_pool)
     req = Request("long", prompt, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
     outs = eng.generate_sync([req])["long"]
     eng.manager.check_integrity()
