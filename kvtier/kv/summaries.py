@@ -51,6 +51,7 @@ class PageSummaries:
         self.kmax = torch.full(shape, float("-inf"), dtype=torch.float32, device=self.device)
         self.ksum = torch.zeros(shape, dtype=torch.float32, device=self.device)
         self.count = torch.zeros(num_layers, num_pages, dtype=torch.int32, device=self.device)
+        self._step: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # (slots, pages, reset)
 
     @classmethod
     def for_pool(cls, pool: object) -> "PageSummaries":
@@ -68,14 +69,8 @@ class PageSummaries:
         """
         if slots.numel() == 0:
             return
-        pages = torch.div(slots, self.page_size, rounding_mode="floor")
-        first = slots.remainder(self.page_size) == 0
+        pages, reset = self._written(layer, slots)
         kmin, kmax, ksum, count = self.kmin[layer], self.kmax[layer], self.ksum[layer], self.count[layer]
-        # a page whose row 0 is written now starts over (its previous occupant's rows are gone): which
-        # rows' pages those are, through a per-page flag (no host sync for the mask on CUDA)
-        hit = torch.zeros(self.num_pages + 1, dtype=torch.bool, device=pages.device)
-        hit.index_fill_(0, torch.where(first, pages, torch.full_like(pages, -1)) + 1, True)  # 0: no reset
-        reset = hit[1:].index_select(0, pages)  # [T]
         # only the written pages are read and rewritten (the whole layer's summaries were, per step)
         for field, empty in ((kmin, float("inf")), (kmax, float("-inf")), (ksum, 0.0)):
             field.index_copy_(0, pages, field.index_select(0, pages).masked_fill(reset[:, None, None], empty))
@@ -86,6 +81,21 @@ class PageSummaries:
         kmax.view(self.num_pages, -1).scatter_reduce_(0, idx, flat, "amax", include_self=True)
         ksum.view(self.num_pages, -1).index_add_(0, pages, flat)
         count.index_add_(0, pages, torch.ones_like(pages, dtype=torch.int32))
+
+    def _written(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(pages [T], reset [T]) of the rows a step writes: each row's page, and whether that page
+        starts over (its row 0 is written now: its previous occupant's rows are gone), through a
+        per-page flag (no host sync for the mask on CUDA). The same for every layer of a step, so
+        computed at layer 0 (or for another `slots` tensor) and reused by the other layers; inside
+        a CUDA-graph capture layer 0's ops are recorded and replayed with it."""
+        step = self._step
+        if layer == 0 or step is None or step[0] is not slots:
+            pages = torch.div(slots, self.page_size, rounding_mode="floor")
+            first = slots.remainder(self.page_size) == 0
+            hit = torch.zeros(self.num_pages + 1, dtype=torch.bool, device=pages.device)
+            hit.index_fill_(0, torch.where(first, pages, -1) + 1, True)  # 0: no reset
+            step = self._step = (slots, pages, hit[1:].index_select(0, pages))
+        return step[1], step[2]
 
     def refresh(self, layer: int, page_ids: torch.Tensor, k: torch.Tensor, rows: torch.Tensor) -> None:
         """Recompute whole pages from their keys (pages copied in from another tier).

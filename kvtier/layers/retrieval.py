@@ -354,7 +354,8 @@ class RetrievalAttention:
             rows=rows, ctx=ctx, fixed_idx=fixed_idx, fixed_ids=bt.gather(1, fixed_idx.clamp_min(0)),
             cand_idx=cand_idx, cand_ids=bt, top_k=top_k, k=k, table=bt,
             starts=torch.arange(r * hkv, dtype=torch.long, device=device) * n_sel,
-            has_host=has_host, limit=w0)
+            has_host=has_host, limit=w0, pad=(cand_idx < 0)[:, None, :], fixed_ok=(fixed_idx >= 0)[:, None, :],
+            k_ok=(torch.arange(k, device=device) < top_k[:, None])[:, None, :])
 
     # -- per layer --------------------------------------------------------------------------------
 
@@ -363,7 +364,7 @@ class RetrievalAttention:
         pages first (sink page 0 at column 0), then the top-k candidates per kv head."""
         r, hkv = q.shape[0], self.store.kv_heads
         qg = q.float().view(r, hkv, -1, q.shape[-1])  # [R, Hkv, g, D]
-        pad = sel.cand_idx[:, None, :] < 0
+        pad = sel.pad
         if self.config.selector == "hybrid":  # half the picks by the Quest bound, the rest by centroid
             k1 = sel.k // 2
             s1 = page_scores("quest", qg, self.summaries, layer, sel.cand_ids, self.host_summaries, self.kernel,
@@ -380,11 +381,11 @@ class RetrievalAttention:
         top_idx = sel.cand_idx[:, None, :].expand(r, hkv, c).gather(-1, top)
         top_ids = sel.cand_ids[:, None, :].expand(r, hkv, c).gather(-1, top)
         # a row with fewer candidates than k (a captured step's short contexts) takes them all
-        top_ok = (torch.arange(sel.k, device=q.device)[None, None, :] < sel.top_k[:, None, None]) & (top_idx >= 0)
+        top_ok = sel.k_ok & (top_idx >= 0)
         f = sel.fixed_idx.shape[1]
         idx = torch.cat([sel.fixed_idx[:, None, :].expand(r, hkv, f), top_idx], dim=-1)
         ids = torch.cat([sel.fixed_ids[:, None, :].expand(r, hkv, f), top_ids], dim=-1)
-        valid = torch.cat([(sel.fixed_idx >= 0)[:, None, :].expand(r, hkv, f), top_ok], dim=-1)
+        valid = torch.cat([sel.fixed_ok.expand(r, hkv, f), top_ok], dim=-1)
         return idx.clamp_min(0), ids, valid
 
     def _retrieve(self, layer: int, q: torch.Tensor, sel: "_Selection") -> torch.Tensor:
@@ -427,7 +428,7 @@ class RetrievalAttention:
         # rows rounded up to a power of two: an eager step and the padded graph replaying it split
         # alike (captured sizes never pass the next power of two, engine/cuda_graph.py)
         splits = selected_num_splits(1 << max(0, r - 1).bit_length(), hkv, n_sel, store.page_size, self.num_sms)
-        page_idx = torch.where(valid, idx, torch.full_like(idx, -1))
+        page_idx = torch.where(valid, idx, -1)
         native = store.kernel_native(layer, q.shape[-1]) if self.native else None
         if self.native and native is None:
             q = store.native_q(layer, q)
@@ -590,6 +591,11 @@ class _Selection:
     starts: torch.Tensor  # [R * Hkv] position of page 0 in the flattened selection (sink rows)
     has_host: bool = False  # some selecting sequence has host-tier pages
     limit: torch.Tensor | None = None  # [R] columns at or past this are not candidates (the window's start)
+    # the same for every layer, so made once a step: [R, 1, C] not a candidate; [R, 1, F] a fixed
+    # page; [R, 1, k] within the row's top_k
+    pad: torch.Tensor | None = None
+    fixed_ok: torch.Tensor | None = None
+    k_ok: torch.Tensor | None = None
 
 
 @dataclass
