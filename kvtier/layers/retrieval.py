@@ -16,8 +16,11 @@ and the window; admission (engine/request.py PinnedBudget) refuses requests whos
 sink and window exceed the budget.
 
 and attends exactly (softmax over the selected keys only) over those pages. Everything else (prefill
-chunks, sequences at or under the budget) goes through the owned DensePagedAttention unchanged, so
-under the budget this backend IS dense attention.
+chunks, sequences at or under the budget) goes through the owned DensePagedAttention unchanged (the
+Triton backend on CUDA), so under the budget this backend IS dense attention. On CUDA with a
+kernel-scored selector (GRAPH_SELECTORS), decode steps instead take the graph formulation, eager or
+captured in CUDA graphs alike: every row selects (`_graph_tables`), and a row under the budget
+selects all of its pages: the same attention, summed in the selected kernel's order.
 
 Host tier: a sequence longer than the compute pool has its oldest pages in the host tier (negative
 page-table entries, kv/manager.py). Their summaries sit in a second PageSummaries on the compute
