@@ -155,10 +155,12 @@ if HAVE_TRITON:
     @triton.jit(do_not_specialize=["Hkv", "G", "C"])
     def _quest_kernel(q_ptr, ids_ptr, kmin_ptr, kmax_ptr, cnt_ptr, hmin_ptr, hmax_ptr, hcnt_ptr, lim_ptr, out_ptr,
                       Hkv, G, C, D: tl.constexpr, BLOCK_C: tl.constexpr, REDUCE_MAX: tl.constexpr,
-                      HAS_HOST: tl.constexpr, HAS_LIMIT: tl.constexpr):
+                      HAS_HOST: tl.constexpr, HAS_LIMIT: tl.constexpr, CENTROID: tl.constexpr):
         """One (row r, kv head h, BLOCK_C candidates): bound of each of the G query heads of h,
         summed (quest) or maxed (quest-max) over them; pages with no rows score +inf. HAS_LIMIT:
-        columns at or past lim[r] are neither read nor written."""
+        columns at or past lim[r] are neither read nor written. CENTROID: kmin / hmin hold the
+        pages' key sums instead, and the score is the group's summed q . the page's mean key
+        (kmax / hmax are not read)."""
         r = tl.program_id(0)
         h = tl.program_id(1)
         c0 = tl.program_id(2) * BLOCK_C
@@ -174,30 +176,40 @@ if HAVE_TRITON:
         dev = cm & (ids >= 0)  # negative ids: host_ref(p) = -1 - p, in the host tier's summaries
         rows = (ids * Hkv + h)[:, None] * D + d[None, :]
         kmin = tl.load(kmin_ptr + rows, mask=dev[:, None], other=0.0)  # [BLOCK_C, D]
-        kmax = tl.load(kmax_ptr + rows, mask=dev[:, None], other=0.0)
+        if not CENTROID:
+            kmax = tl.load(kmax_ptr + rows, mask=dev[:, None], other=0.0)
         cnt = tl.load(cnt_ptr + ids, mask=dev, other=0)
         if HAS_HOST:
             hid = -1 - ids
             hm = cm & (ids < 0)
             hrows = (hid * Hkv + h)[:, None] * D + d[None, :]
             kmin = tl.where(hm[:, None], tl.load(hmin_ptr + hrows, mask=hm[:, None], other=0.0), kmin)
-            kmax = tl.where(hm[:, None], tl.load(hmax_ptr + hrows, mask=hm[:, None], other=0.0), kmax)
+            if not CENTROID:
+                kmax = tl.where(hm[:, None], tl.load(hmax_ptr + hrows, mask=hm[:, None], other=0.0), kmax)
             cnt = tl.where(hm, tl.load(hcnt_ptr + hid, mask=hm, other=0), cnt)
-        acc = tl.full([BLOCK_C], float("-inf") if REDUCE_MAX else 0.0, tl.float32)
         q_row = q_ptr + (r * Hkv + h).to(tl.int64) * G * D
-        for g in range(0, G):
-            qv = tl.load(q_row + g * D + d)[None, :]  # [1, D] fp32
-            bound = tl.sum(tl.maximum(qv * kmin, qv * kmax), axis=1)  # sum_d max(q_d min_d, q_d max_d)
-            if REDUCE_MAX:
-                acc = tl.maximum(acc, bound)
-            else:
-                acc = acc + bound
+        if CENTROID:  # (sum_g q_g) . (ksum / count)
+            qs = tl.zeros([D], tl.float32)
+            for g in range(0, G):
+                qs += tl.load(q_row + g * D + d)
+            acc = tl.sum(kmin * qs[None, :], axis=1) / tl.maximum(cnt, 1).to(tl.float32)
+        else:
+            acc = tl.full([BLOCK_C], float("-inf") if REDUCE_MAX else 0.0, tl.float32)
+            for g in range(0, G):
+                qv = tl.load(q_row + g * D + d)[None, :]  # [1, D] fp32
+                bound = tl.sum(tl.maximum(qv * kmin, qv * kmax), axis=1)  # sum_d max(q_d min_d, q_d max_d)
+                if REDUCE_MAX:
+                    acc = tl.maximum(acc, bound)
+                else:
+                    acc = acc + bound
         acc = tl.where(cnt == 0, float("inf"), acc)
         tl.store(out_ptr + (r * Hkv + h).to(tl.int64) * C + c, acc, mask=cm)
 
 
 # (kmin [P, Hkv, D] fp32, kmax [P, Hkv, D] fp32, count [P] int32) of one layer of one tier
 SummaryRows = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+# (ksum [P, Hkv, D] fp32, count [P] int32) of one layer of one tier
+CentroidRows = tuple[torch.Tensor, torch.Tensor]
 
 
 def quest_scores(qg: torch.Tensor, dev: SummaryRows, cand_ids: torch.Tensor, reduce_max: bool = False,
@@ -210,12 +222,29 @@ def quest_scores(qg: torch.Tensor, dev: SummaryRows, cand_ids: torch.Tensor, red
     int, row r's columns >= limit[r] are skipped (left unwritten: the caller masks them).
     -> [R, Hkv, C] fp32; +inf for pages with no rows (chosen first). No host synchronisation.
     """
+    return _launch_scores(qg, dev, cand_ids, host, limit, reduce_max=reduce_max, centroid=False)
+
+
+def centroid_scores(qg: torch.Tensor, dev: CentroidRows, cand_ids: torch.Tensor, host: CentroidRows | None = None,
+                    limit: torch.Tensor | None = None) -> torch.Tensor:
+    """The `centroid` selector's scores, fused like quest_scores: per kv head, the group's summed
+    query . each candidate page's mean key (its key sum / its row count). dev / host: one layer's
+    (ksum [P, Hkv, D] fp32, count [P] int32); the other arguments and the result as quest_scores."""
+    return _launch_scores(qg, dev, cand_ids, host, limit, reduce_max=False, centroid=True)
+
+
+def _launch_scores(qg: torch.Tensor, dev: tuple, cand_ids: torch.Tensor, host: tuple | None,
+                   limit: torch.Tensor | None, reduce_max: bool, centroid: bool) -> torch.Tensor:
+    """quest_scores / centroid_scores: one _quest_kernel launch (CENTROID: the summaries are
+    (ksum, count), passed where kmin goes; kmax slots get placeholders the kernel never reads)."""
     if not HAVE_TRITON:
-        raise RuntimeError("quest_scores needs Triton; use quest_scores_reference on CPU")
+        raise RuntimeError("the score kernels need Triton; use their references on CPU")
     r, hkv, g, d = qg.shape
     if d & (d - 1) or cand_ids.dim() != 2 or cand_ids.shape[0] != r or dev[0].shape[1:] != (hkv, d):
-        raise ValueError(f"quest_scores: qg {tuple(qg.shape)} / cand_ids {tuple(cand_ids.shape)} / summaries "
+        raise ValueError(f"page scores: qg {tuple(qg.shape)} / cand_ids {tuple(cand_ids.shape)} / summaries "
                          f"{tuple(dev[0].shape)} do not fit (head_dim a power of two)")
+    if centroid:
+        dev, host = (dev[0], dev[0], dev[1]), (host[0], host[0], host[1]) if host is not None else None
     c = cand_ids.shape[1]
     out = torch.empty((r, hkv, c), dtype=torch.float32, device=qg.device)
     if r == 0 or c == 0:
@@ -225,7 +254,7 @@ def quest_scores(qg: torch.Tensor, dev: SummaryRows, cand_ids: torch.Tensor, red
     _quest_kernel[(r, hkv, triton.cdiv(c, max(1, SCORE_TILE // d)))](
         qg.float().contiguous(), cand_ids.contiguous(), dev[0], dev[1], dev[2], hmin, hmax, hcnt, lim, out, hkv, g, c,
         D=d, BLOCK_C=max(1, SCORE_TILE // d), REDUCE_MAX=reduce_max, HAS_HOST=host is not None,
-        HAS_LIMIT=limit is not None, num_warps=4)
+        HAS_LIMIT=limit is not None, CENTROID=centroid, num_warps=4)
     return out
 
 
@@ -242,4 +271,19 @@ def quest_scores_reference(qg: torch.Tensor, dev: SummaryRows, cand_ids: torch.T
     q = qg.float()[:, :, :, None, :]  # [R, Hkv, G, 1, D]
     bound = torch.maximum(q * kmin.permute(0, 2, 1, 3)[:, :, None], q * kmax.permute(0, 2, 1, 3)[:, :, None]).sum(-1)
     s = bound.amax(2) if reduce_max else bound.sum(2)  # [R, Hkv, C]
+    return s.masked_fill((cnt == 0)[:, None, :], float("inf"))
+
+
+def centroid_scores_reference(qg: torch.Tensor, dev: CentroidRows, cand_ids: torch.Tensor,
+                              host: CentroidRows | None = None) -> torch.Tensor:
+    """centroid_scores in PyTorch (same arguments, no limit)."""
+    def rows(i: int) -> torch.Tensor:
+        got = dev[i][cand_ids.clamp_min(0)]
+        if host is None:
+            return got
+        other = host[i][(-1 - cand_ids).clamp_min(0)]
+        return torch.where((cand_ids < 0).view(*cand_ids.shape, *([1] * (got.dim() - 2))), other, got)
+    ksum, cnt = rows(0), rows(1)  # [R, C, Hkv, D], [R, C]
+    mean = ksum / cnt.clamp_min(1).float()[..., None, None]
+    s = torch.einsum("rhd,rchd->rhc", qg.float().sum(2), mean)
     return s.masked_fill((cnt == 0)[:, None, :], float("inf"))

@@ -56,8 +56,8 @@ from kvtier.config import RetrievalConfig
 from kvtier.kv.summaries import PageSummaries
 from kvtier.layers.attention import AttentionMetadata, DensePagedAttention, plan_sink_rows
 
-# Selectors whose scores a captured step can compute: the fused Quest kernel (power-of-two head_dim).
-GRAPH_SELECTORS = ("quest", "quest-max")
+# Selectors whose scores a captured step can compute: the fused score kernels (power-of-two head_dim).
+GRAPH_SELECTORS = ("quest", "quest-max", "centroid", "hybrid")
 
 
 def graph_capable(config: RetrievalConfig, head_dim: int, device: torch.device) -> bool:
@@ -373,7 +373,8 @@ class RetrievalAttention:
             s1 = page_scores("quest", qg, self.summaries, layer, sel.cand_ids, self.host_summaries, self.kernel,
                              sel.limit)
             top1 = s1.masked_fill(pad, float("-inf")).topk(k1, dim=-1).indices
-            s2 = page_scores("centroid", qg, self.summaries, layer, sel.cand_ids, self.host_summaries)
+            s2 = page_scores("centroid", qg, self.summaries, layer, sel.cand_ids, self.host_summaries, self.kernel,
+                             sel.limit)
             s2 = s2.masked_fill(pad, float("-inf")).scatter(-1, top1, float("-inf"))
             top = torch.cat([top1, s2.topk(sel.k - k1, dim=-1).indices], dim=-1)  # [R, Hkv, K]
         else:
@@ -629,9 +630,10 @@ def page_scores(selector: str, qg: torch.Tensor, summaries: PageSummaries, layer
     summaries are `host`) -> scores [R, Hkv, C].
 
     Pages with no summary (never written in this pool) score +inf: chosen first, never missed.
-    kernel: the Quest selectors through kernels/retrieval_attention.py quest_scores (one launch,
-    no gathered copies of the summaries; power-of-two head_dim), which skips each row's columns
-    at or past `limit` ([R]; their scores are left unset: the caller masks them).
+    kernel: the Quest and centroid selectors through kernels/retrieval_attention.py quest_scores /
+    centroid_scores (one launch, no gathered copies of the summaries; power-of-two head_dim), which
+    skip each row's columns at or past `limit` ([R]; their scores are left unset: the caller masks
+    them).
     """
     r, hkv, d = qg.shape[0], qg.shape[1], qg.shape[-1]
     if kernel and selector in ("quest", "quest-max") and d & (d - 1) == 0:
@@ -639,6 +641,10 @@ def page_scores(selector: str, qg: torch.Tensor, summaries: PageSummaries, layer
         rows = lambda t: (t.kmin[layer], t.kmax[layer], t.count[layer])  # noqa: E731
         return quest_scores(qg, rows(summaries), cand_ids, selector == "quest-max",
                             rows(host) if host is not None else None, limit)
+    if kernel and selector == "centroid" and d & (d - 1) == 0:
+        from kvtier.kernels.retrieval_attention import centroid_scores
+        rows = lambda t: (t.ksum[layer], t.count[layer])  # noqa: E731
+        return centroid_scores(qg, rows(summaries), cand_ids, rows(host) if host is not None else None, limit)
     rows = lambda name: summary_rows(summaries, host, name, layer, cand_ids)  # noqa: E731
     count = rows("count")  # [R, C]
     if selector in ("meankey", "centroid"):

@@ -105,9 +105,10 @@ def test_graph_formulation_budget_at_least_context_is_dense(graph_formulation):
     assert eng.runner.backend.retrieved_rows > 0  # every decode row selected: all its pages
 
 
-def test_graph_formulation_equals_eager_selection(monkeypatch):
+@pytest.mark.parametrize("selector", ["quest", "hybrid"])
+def test_graph_formulation_equals_eager_selection(monkeypatch, selector):
     model = tiny_model()
-    cfg = RetrievalConfig(budget=48, sink=4, window=16)
+    cfg = RetrievalConfig(budget=48, sink=4, window=16, selector=selector)
     eager = generate(engine(model, cfg, prefill_chunk=16, max_batch=3))
     monkeypatch.setattr(RetrievalAttention, "graphable", property(lambda self: not self.record))
     eng = engine(model, cfg, prefill_chunk=16, max_batch=3)

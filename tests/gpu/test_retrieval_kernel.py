@@ -160,6 +160,16 @@ def test_quest_scores_match_reference_and_page_scores(with_host: bool) -> None:
         if not with_host:
             torch.testing.assert_close(got, page_scores("quest-max" if reduce_max else "quest", qg, summ, 0, ids),
                                        rtol=1e-5, atol=1e-3)
+    # centroid_scores == its reference, and == page_scores' PyTorch centroid
+    cdev = (summ.ksum[0], summ.count[0])
+    chost = (hs.ksum[0], hs.count[0]) if with_host else None
+    got = ra.centroid_scores(qg, cdev, ids, chost)
+    want = ra.centroid_scores_reference(qg, cdev, ids, chost)
+    assert torch.equal(got.isinf(), want.isinf())
+    fin = ~want.isinf()
+    torch.testing.assert_close(got[fin], want[fin], rtol=1e-4, atol=1e-3)
+    if not with_host:
+        torch.testing.assert_close(got, page_scores("centroid", qg, summ, 0, ids), rtol=1e-4, atol=1e-3)
 
 
 def _median_us(fn: Callable[[], object], warmup: int, repeats: int) -> float:

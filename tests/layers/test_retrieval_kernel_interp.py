@@ -137,6 +137,18 @@ def check_quest_scores(ra, hkv: int, g: int, d: int, with_host: bool, seed: int)
         lim = ra.quest_scores(qg, dev, ids, reduce_max, host, limit=limit)
         for r, n in enumerate(limit.tolist()):
             assert torch.equal(lim[r, :, :n], got[r, :, :n]), f"max={reduce_max}: row {r} under limit {n}"
+    # centroid_scores (the same kernel, key sums instead of min / max) == its reference
+    ksum = (dev[0] + dev[1]).nan_to_num(0.0, 0.0, 0.0) * dev[2].float()[:, None, None]  # empty pages: 0
+    cdev = (ksum, dev[2])
+    chost = ((host[0] + host[1]).nan_to_num(0.0, 0.0, 0.0) * host[2].float()[:, None, None], host[2]) if host else None
+    got = ra.centroid_scores(qg, cdev, ids, chost)
+    want = ra.centroid_scores_reference(qg, cdev, ids, chost)
+    assert torch.equal(got.isinf(), want.isinf()), "centroid: +inf (empty pages) differ"
+    fin = ~want.isinf()
+    assert torch.allclose(got[fin], want[fin], rtol=1e-5, atol=1e-4), \
+        f"centroid: max |kernel - ref| = {(got[fin] - want[fin]).abs().max():.3g}"
+    lim = ra.centroid_scores(qg, cdev, ids, chost, limit=torch.tensor([37, 5, 0]))
+    assert torch.equal(lim[1, :, :5], got[1, :, :5])
 
 
 @pytest.mark.parametrize("selector", ["quest", "quest-max"])
