@@ -258,16 +258,20 @@ def _launch_scores(qg: torch.Tensor, dev: tuple, cand_ids: torch.Tensor, host: t
     return out
 
 
+def _candidate_rows(dev: tuple, host: tuple | None, cand_ids: torch.Tensor, i: int) -> torch.Tensor:
+    """Summary field i of each candidate page, from the compute pool's or (negative ids) the host
+    tier's summaries -> [R, C, ...]."""
+    got = dev[i][cand_ids.clamp_min(0)]
+    if host is None:
+        return got
+    other = host[i][(-1 - cand_ids).clamp_min(0)]
+    return torch.where((cand_ids < 0).view(*cand_ids.shape, *([1] * (got.dim() - 2))), other, got)
+
+
 def quest_scores_reference(qg: torch.Tensor, dev: SummaryRows, cand_ids: torch.Tensor, reduce_max: bool = False,
                            host: SummaryRows | None = None) -> torch.Tensor:
     """quest_scores in PyTorch (same arguments), the bound written as in the kernel."""
-    def rows(i: int) -> torch.Tensor:
-        got = dev[i][cand_ids.clamp_min(0)]
-        if host is None:
-            return got
-        other = host[i][(-1 - cand_ids).clamp_min(0)]
-        return torch.where((cand_ids < 0).view(*cand_ids.shape, *([1] * (got.dim() - 2))), other, got)
-    kmin, kmax, cnt = rows(0), rows(1), rows(2)  # [R, C, Hkv, D] x 2, [R, C]
+    kmin, kmax, cnt = (_candidate_rows(dev, host, cand_ids, i) for i in range(3))  # [R, C, Hkv, D] x 2, [R, C]
     q = qg.float()[:, :, :, None, :]  # [R, Hkv, G, 1, D]
     bound = torch.maximum(q * kmin.permute(0, 2, 1, 3)[:, :, None], q * kmax.permute(0, 2, 1, 3)[:, :, None]).sum(-1)
     s = bound.amax(2) if reduce_max else bound.sum(2)  # [R, Hkv, C]
@@ -277,13 +281,7 @@ def quest_scores_reference(qg: torch.Tensor, dev: SummaryRows, cand_ids: torch.T
 def centroid_scores_reference(qg: torch.Tensor, dev: CentroidRows, cand_ids: torch.Tensor,
                               host: CentroidRows | None = None) -> torch.Tensor:
     """centroid_scores in PyTorch (same arguments, no limit)."""
-    def rows(i: int) -> torch.Tensor:
-        got = dev[i][cand_ids.clamp_min(0)]
-        if host is None:
-            return got
-        other = host[i][(-1 - cand_ids).clamp_min(0)]
-        return torch.where((cand_ids < 0).view(*cand_ids.shape, *([1] * (got.dim() - 2))), other, got)
-    ksum, cnt = rows(0), rows(1)  # [R, C, Hkv, D], [R, C]
+    ksum, cnt = (_candidate_rows(dev, host, cand_ids, i) for i in range(2))  # [R, C, Hkv, D], [R, C]
     mean = ksum / cnt.clamp_min(1).float()[..., None, None]
     s = torch.einsum("rhd,rchd->rhc", qg.float().sum(2), mean)
     return s.masked_fill((cnt == 0)[:, None, :], float("inf"))
