@@ -49,7 +49,9 @@ def decode_step(batch: Batch) -> bool:
 
 
 def reads_host(batch: Batch) -> bool:
-    """Some sequence's page table starts with host-tier pages (negative ids head a table)."""
+    """Some sequence's page table starts with host-tier pages (negative ids head a table): which
+    graph variant a step replays, known before planning (AttentionMetadata.reads_host, the same
+    fact, is derived from the planned tables)."""
     return any(s.page_table and s.page_table[0] < 0 for s in batch.seqs)
 
 
@@ -170,7 +172,7 @@ class StepPlanner:
             block_table=self.block_table[:n_seqs], seq_lens_t=self.seq_lens[:n_seqs],
             query_start_loc_t=self.query_start_loc[:n_seqs + 1],
             max_seq_len=max_seq_len or max(seq_lens, default=1), decode_step=decode_step(batch),
-            reads_host=reads_host(batch), pinned_pages=pinned)
+            pinned_pages=pinned)
         return StepInputs(self.input_ids[:n_tok], self.positions[:n_tok], meta, n_rows)
 
     def idle_inputs(self, n_seqs: int, max_seq_len: int, host: bool = False) -> StepInputs:

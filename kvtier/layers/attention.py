@@ -55,14 +55,18 @@ class AttentionMetadata:
     # Set by the step planner (engine/step_plan.py decode_step): every sequence decodes one
     # sampled token, not its first: a step a decode graph can run.
     decode_step: bool = False
-    # Some sequence's table starts with host-tier pages (negative ids; engine/step_plan.py
-    # reads_host); set by the step planner, and for capture, the variant being captured.
-    reads_host: bool = False
+    # Some sequence's table starts with host-tier pages (negative ids head a table): derived from
+    # page_tables unless given (a graph capture names the variant it captures over placeholders).
+    reads_host: bool | None = None
     # Set by the step planner from Sequence.pinned_spans: per sequence, like page_tables (no
     # graph padding rows), the sorted page indices (position // page_size, spans rounded out to
     # whole pages, clipped to this step's pages) that retrieval attention must always attend;
     # [] for a sequence without spans; None when no sequence in the step has any.
     pinned_pages: list[list[int]] | None = None
+
+    def __post_init__(self) -> None:
+        if self.reads_host is None:
+            self.reads_host = any(pt and pt[0] < 0 for pt in self.page_tables)
 
     @property
     def num_seqs(self) -> int:

@@ -142,7 +142,7 @@ class TritonPagedAttention:
         in place where meta.reads_host), the prefill kernel's plan (with sink rows), or DENSE for
         steps the paged kernels do not take."""
         if not for_graph and not self.graph_ready(meta):
-            host = _has_host_pages(meta)
+            host = meta.reads_host
             if meta.block_table is None or meta.query_start_loc_t is None or (host and not self.host_kernels):
                 self.dense.plan(meta)
                 meta.step_cache[id(self)] = DENSE
@@ -232,8 +232,3 @@ class TritonPagedAttention:
         if staged.slots is not None:
             sink = (host.sink_k[layer], host.sink_v[layer], staged.slots)  # type: ignore[union-attr]
         return AltPages({name: t[0, :max(n, 1)] for name, t in self.stage.items()}, sink)
-
-
-def _has_host_pages(meta: AttentionMetadata) -> bool:
-    """Whether a sequence's table starts with host-tier pages (negative ids head the table)."""
-    return any(pt and pt[0] < 0 for pt in meta.page_tables)

@@ -86,7 +86,9 @@ class RetrievalAttention:
         self.store = store
         self.scale = scale
         self.config = config
-        self.sink_pages, _, self.budget_pages = config.page_counts(store.page_size)
+        self.sink_pages, window_pages, self.budget_pages = config.page_counts(store.page_size)
+        # pinned pages a row can hold: admission keeps pinned + sink + window within the budget
+        self.pin_cap = max(1, self.budget_pages - self.sink_pages - (window_pages - 1))
         self.dense = DensePagedAttention(store, scale, host_store)
         self.native = self.dense.native
         self.kernel = (store.device.type == "cuda") if kernel is None else kernel
@@ -211,9 +213,7 @@ class RetrievalAttention:
     def _stage_pins(self, meta: AttentionMetadata, for_graph: bool) -> None:
         """Write the step's pinned page indices into `pin_buf` (rows without any: -1)."""
         n = meta.num_seqs
-        # admission keeps pinned + sink + window pages within the budget: at most k of them (_tables)
-        _, window_pages, _ = self.config.page_counts(self.store.page_size)
-        cap = max(1, self.budget_pages - self.sink_pages - (window_pages - 1))
+        cap = self.pin_cap
         if self.pin_buf is None or self.pin_buf.shape[0] < n:
             self.pin_buf = torch.full((n, cap), -1, dtype=torch.long, device=self.store.device)
             self._pins_set = False
