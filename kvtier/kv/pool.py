@@ -16,7 +16,7 @@ from collections.abc import Sequence
 
 import torch
 
-from kvtier.kernels import kv_quant, kv_transform
+from kvtier.kernels import cpu_ops, kv_quant, kv_transform
 from kvtier.kv.formats import KVFormat
 
 # K smoothing: a channel's scale is at least this fraction of its head's median spread.
@@ -114,8 +114,22 @@ class PagePool:
             self.sink_v[layer].index_copy_(0, sslots, vs.to(self.compute_dtype))
         if slots.is_cuda and self._fused_store(layer, slots, k, v):
             return
+        plain = self.plain_pages(layer)
+        if plain is not None and (ops := cpu_ops.usable(slots, k, v, plain[0])) is not None:
+            ops.kv_store(plain[0], plain[1], slots, k, v)  # one call for K and V (kernels/cpu_ops.py)
+            return
         k = self._smoothed(layer, k)
         self._store(self.layers[layer], slots, k, v)
+
+    def plain_pages(self, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(K, V) pages [P, kv_heads, page_size, head_dim] of one layer when they hold the rows as
+        they are (a plain format: no quantization, smoothing, rotation or sink rows), for kernels
+        that read or write them in place; else None."""
+        fmt = self.fmt
+        if fmt.quantized or fmt.smooth_k or fmt.rotate_k or fmt.rotate_v or self.k_channel_scale[layer] is not None:
+            return None
+        st = self.layers[layer]
+        return st["k"], st["v"]
 
     def _smoothed(self, layer: int, k: torch.Tensor) -> torch.Tensor:
         """k [T, H, D] -> (k - shift) / channel_scale in fp32 (formats without smoothing: k)."""

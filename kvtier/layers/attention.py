@@ -33,6 +33,8 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
+from kvtier.kernels import cpu_ops
+
 
 @dataclass
 class AttentionMetadata:
@@ -221,6 +223,10 @@ class DensePagedAttention:
         return plan
 
     def _attend(self, layer: int, q: torch.Tensor, meta: AttentionMetadata, plan: "_StepPlan") -> torch.Tensor:
+        if plan.cpu_decode is not None:  # a plain CPU pool, every row a decode (see _plan)
+            pages = self.store.plain_pages(layer)
+            return cpu_ops.ops().paged_decode(q, pages[0], pages[1], *plan.cpu_decode, self.scale,
+                                              cpu_ops.MIN_SPLIT)
         if plan.batch_table is not None:
             return self._decode_batch(layer, q, plan)  # every sequence brings one new token
         out = torch.empty_like(q)
@@ -242,6 +248,11 @@ class DensePagedAttention:
         plan = _StepPlan(tables, streamed)
         plan.sink = plan_sink_rows(self.store, meta, device)
         plan.first = _zero_index(device)
+        pages = getattr(self.store, "plain_pages", lambda _: None)(0)
+        if n_rows == meta.num_seqs and not any(streamed) and pages is not None \
+                and cpu_ops.usable(meta.slot_mapping, pages[0]):
+            plan.cpu_decode = _decode_tables(meta, tables)  # every row decodes: the C++ kernel reads the pool
+            return plan
         if n_rows == meta.num_seqs and meta.num_seqs > 1 and not any(streamed):
             max_p = max(len(pt) for pt in tables)
             table = torch.zeros(meta.num_seqs, max_p, dtype=torch.long)
@@ -306,6 +317,18 @@ class DensePagedAttention:
         return o.squeeze(2).to(q.dtype)
 
 
+def _decode_tables(meta: AttentionMetadata, tables: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(block table [B, max_pages], context lengths [B]) of a step: the step planner's tensors
+    when it made them (engine/step_plan.py), else built from the Python lists."""
+    n = meta.num_seqs
+    if meta.block_table is not None and meta.seq_lens_t is not None:
+        return meta.block_table[:n].long(), meta.seq_lens_t[:n].long()  # int64 once a step, not a layer
+    table = torch.zeros(n, max(len(t) for t in tables), dtype=torch.long)
+    for b, pt in enumerate(tables):
+        table[b, :len(pt)] = torch.tensor(pt, dtype=torch.long)
+    return table, torch.tensor(meta.seq_lens, dtype=torch.long)
+
+
 _ZERO_INDEX: dict[torch.device, torch.Tensor] = {}
 
 
@@ -330,6 +353,9 @@ class _StepPlan:
     batch_first: torch.Tensor | None = None  # [B] index of each sequence's first page in batch_table
     first: torch.Tensor | None = None  # [1] = 0: a sequence's own page list starts with its first page
     sink: tuple[torch.Tensor, torch.Tensor] | None = None  # (packed rows at position 0, sink slots)
+    # CPU, every row a decode, nothing streamed: (block table, lengths) for kernels/cpu_ops.py's
+    # paged_decode, which reads plain pools in place (others take the paths above)
+    cpu_decode: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 def attend_one(q: torch.Tensor, kp: torch.Tensor, vp: torch.Tensor, ctx: int, n_new: int,

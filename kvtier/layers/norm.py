@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from kvtier.kernels import fused
+from kvtier.kernels import cpu_ops, fused
 
 
 class RMSNorm(torch.nn.Module):
@@ -13,7 +13,8 @@ class RMSNorm(torch.nn.Module):
     Like HF, the normalised value is cast back to the input dtype before the
     weight multiply, so bf16 results round the same way as the reference.
     On CUDA one fused Triton kernel (kernels/fused.py) does it with the same
-    roundings; elsewhere the plain-PyTorch reference runs.
+    roundings; on CPU, for the fp32 residual rows, a C++ kernel (kernels/cpu_ops.py);
+    elsewhere the plain-PyTorch reference runs.
     """
 
     def __init__(self, weight: torch.Tensor, eps: float):
@@ -21,8 +22,13 @@ class RMSNorm(torch.nn.Module):
         self.weight = torch.nn.Parameter(weight.contiguous(), requires_grad=False)  # [D]
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x: [..., D] -> [..., D]"""
+    def forward(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        """x: [..., D] -> [..., D], cast to out_dtype if given (the CPU kernel casts as it writes)."""
+        if x.dtype == torch.float32 == self.weight.dtype and x.dim() == 2 and x.stride(-1) == 1 \
+                and (ops := cpu_ops.usable(x)) is not None:
+            return ops.rms_norm(x, self.weight, self.eps, out_dtype or x.dtype)  # fp32 residual rows (CPU)
         if fused.use_kernels(x, self.weight):
-            return fused.rms_norm(x, self.weight, self.eps)
-        return fused.rms_norm_reference(x, self.weight, self.eps)
+            y = fused.rms_norm(x, self.weight, self.eps)
+        else:
+            y = fused.rms_norm_reference(x, self.weight, self.eps)
+        return y if out_dtype is None else y.to(out_dtype)

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from kvtier.config import ModelSpec
-from kvtier.kernels import fused
+from kvtier.kernels import cpu_ops, fused
 from kvtier.layers.attention import AttentionBackend, AttentionMetadata
 from kvtier.layers.linear import FOUR_BIT_SOURCES, Linear, int4_gemv_supported
 from kvtier.layers.mlp import GatedMLP
@@ -118,23 +118,29 @@ class DecoderLayer(torch.nn.Module):
                 meta: AttentionMetadata, backend: AttentionBackend) -> torch.Tensor:
         """h: [T, H] in the residual dtype; cos/sin: [T, 1, D] (RotaryEmbedding) -> [T, H]"""
         t, hq, hkv, d = h.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
-        qkv = self.qkv(self.input_norm(h).to(self.dtype))  # [T, (Hq + 2 Hkv) * D]
+        qkv = self.qkv(self.input_norm(h, self.dtype))  # [T, (Hq + 2 Hkv) * D]
         v = qkv[:, (hq + hkv) * d:].view(t, hkv, d)  # [T, Hkv, D]
         q, k = self._rotated_qk(qkv, cos, sin)  # [T, Hq, D], [T, Hkv, D]
         o = backend.forward(layer_idx, q, k, v, meta)  # [T, Hq, D]
         h = self.o_proj.add_to(h, o.reshape(t, hq * d))
-        return self.mlp(self.post_norm(h).to(self.dtype), residual=h)
+        return self.mlp(self.post_norm(h, self.dtype), residual=h)
 
     def _rotated_qk(self, qkv: torch.Tensor, cos: torch.Tensor,
                     sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """qkv: [T, (Hq + 2 Hkv) * D] -> q [T, Hq, D], k [T, Hkv, D]: per-head RMSNorm (Qwen3), then rotary.
 
-        One fused Triton kernel on CUDA; elsewhere q_norm / k_norm then apply_rotary (kernels/fused.py).
+        One fused Triton kernel on CUDA, one C++ call on CPU (kernels/cpu_ops.py, in place on qkv);
+        else q_norm / k_norm then apply_rotary (kernels/fused.py).
         """
         qn, kn = self.q_norm, self.k_norm
         qw, kw, eps = (qn.weight, kn.weight, qn.eps) if qn is not None and kn is not None else (None, None, 0.0)
+        hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
+        if qkv.stride(-1) == 1 and cos.dtype == qkv.dtype and (ops := cpu_ops.usable(qkv)) is not None:
+            ops.rope_(qkv, cos, sin, hq, hkv, d, qw, kw, eps)  # in place: qkv is this layer's own output
+            t = qkv.shape[0]
+            return qkv[:, :hq * d].view(t, hq, d), qkv[:, hq * d:(hq + hkv) * d].view(t, hkv, d)
         rope = fused.qk_norm_rope if fused.use_kernels(qkv, cos, sin, qw, kw) else fused.qk_norm_rope_reference
-        return rope(qkv, self.num_heads, self.num_kv_heads, self.head_dim, cos, sin, qw, kw, eps)
+        return rope(qkv, hq, hkv, d, cos, sin, qw, kw, eps)
 
 
 class TokenEmbedding(torch.nn.Module):

@@ -1,0 +1,488 @@
+// CPU kernels for the decode step (kvtier/kernels/cpu_ops.py builds and loads this file).
+//
+// A CPU decode step of a small model is bound by per-op overhead, not by bytes: SmolLM2-135M ran
+// ~63 torch ops a layer (~1,900 a step), and its paged attention copied every cached K/V row three
+// times (gather, head-major reshape, fp32 cast) before two batched matmuls. Each function here is
+// one call doing what several torch ops did, reading the page pool in place:
+//
+//   rms_norm      x fp32 [T, H] -> [T, H] in out_dtype   (was pow, mean, add, rsqrt, mul, mul, cast)
+//   rope_         qkv [T, (Hq + 2 Hkv) D] rotated in place, per-head RMSNorm first (Qwen3)
+//   kv_store      K/V rows -> their slots of a plain (fp32 / bf16 / fp16) page pool
+//   paged_decode  one query row per sequence over its pages, split-K across threads
+//   silu_mul      gu [T, 2I] -> silu(gu[:, :I]) * gu[:, I:]
+//
+// Each has its PyTorch reference (kvtier/kernels/fused.py, kvtier/layers/attention.py,
+// kvtier/kv/formats.py) and rounds where the reference rounds: fp32 arithmetic, then one rounding
+// to the storage dtype per torch op the reference runs (-ffp-contract=off keeps products and sums
+// separately rounded, as torch's CPU kernels compute them, except where torch fuses them itself). The reductions (a norm's sum of
+// squares, attention's dot products and softmax) sum in another order than torch's, so results
+// agree to rounding, not bit for bit.
+//
+// Threads: at::parallel_for, i.e. torch's own OpenMP team (this library links the libgomp torch
+// has already loaded), never a second pool.
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+namespace {
+
+using c10::BFloat16;
+using c10::Half;
+
+inline float to_f(float x) { return x; }
+inline float to_f(BFloat16 x) { return static_cast<float>(x); }
+inline float to_f(Half x) { return static_cast<float>(x); }
+
+template <typename T>
+inline T from_f(float x) { return static_cast<T>(x); }
+
+// Round through T and back: the value torch holds after an op whose result dtype is T.
+template <typename T>
+inline float round_to(float x) { return to_f(from_f<T>(x)); }
+
+#define KVT_DISPATCH_FLOAT(DTYPE, NAME, ...)                                         \
+  [&] {                                                                               \
+    switch (DTYPE) {                                                                  \
+      case at::kFloat: { using scalar_t = float; return __VA_ARGS__(); }              \
+      case at::kBFloat16: { using scalar_t = BFloat16; return __VA_ARGS__(); }        \
+      case at::kHalf: { using scalar_t = Half; return __VA_ARGS__(); }                \
+      default: TORCH_CHECK(false, NAME ": unsupported dtype ", DTYPE);               \
+    }                                                                                 \
+  }()
+
+void check_cpu(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.device().is_cpu(), name, " must be a CPU tensor");
+}
+
+// ------------------------------------------------------------------------------------ rms_norm
+
+// y = x * rsqrt(mean(x^2) + eps) * w, all fp32 (F.rms_norm on an fp32 input), then one rounding
+// to out_dtype (the decoder's cast of the normalised residual to the matmul dtype).
+template <typename O>
+void rms_norm_rows(const float* x, const float* w, O* y, int64_t rows, int64_t h, int64_t xs, int64_t ys,
+                   float eps) {
+  at::parallel_for(0, rows, 16, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const float* xr = x + r * xs;
+      float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+      for (int64_t i = 0; i < h; ++i) ss += xr[i] * xr[i];
+      const float rstd = 1.f / std::sqrt(ss / static_cast<float>(h) + eps);
+      O* yr = y + r * ys;
+      for (int64_t i = 0; i < h; ++i) {
+        const float n = xr[i] * rstd;
+        yr[i] = from_f<O>(n * w[i]);
+      }
+    }
+  });
+}
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps, at::ScalarType out_dtype) {
+  check_cpu(x, "x");
+  TORCH_CHECK(x.scalar_type() == at::kFloat && w.scalar_type() == at::kFloat, "rms_norm: fp32 x and weight");
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "rms_norm: x [T, H] with contiguous rows");
+  auto wc = w.contiguous();
+  const int64_t rows = x.size(0), h = x.size(1);
+  TORCH_CHECK(wc.numel() == h, "rms_norm: weight has ", wc.numel(), " entries, rows have ", h);
+  auto y = at::empty({rows, h}, x.options().dtype(out_dtype));
+  KVT_DISPATCH_FLOAT(out_dtype, "rms_norm", [&] {
+    rms_norm_rows<scalar_t>(x.data_ptr<float>(), wc.data_ptr<float>(), y.data_ptr<scalar_t>(), rows, h,
+                            x.stride(0), h, static_cast<float>(eps));
+  });
+  return y;
+}
+
+// ------------------------------------------------------------------------------------ rope_
+
+// One head of d values at p, in place: optional per-head RMSNorm (HF's: fp32 statistics, the
+// normalised value rounded to T, times the weight, rounded again; in fp32 F.rms_norm's x * r * w),
+// then rotary as RotaryEmbedding's reference computes it: a = round(x * cos), out =
+// round(fma(roll(x, d/2), sin_signed, a)) (torch's CPU addcmul is an fma).
+template <typename T>
+inline void rope_head(T* p, const T* cs, const T* sn, const T* nw, int64_t d, float eps, float* buf) {
+  for (int64_t i = 0; i < d; ++i) buf[i] = to_f(p[i]);
+  if (nw != nullptr) {
+    float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+    for (int64_t i = 0; i < d; ++i) ss += buf[i] * buf[i];
+    const float rstd = 1.f / std::sqrt(ss / static_cast<float>(d) + eps);
+    for (int64_t i = 0; i < d; ++i) {
+      if constexpr (std::is_same_v<T, float>) {
+        buf[i] = buf[i] * rstd * nw[i];
+      } else {
+        buf[i] = round_to<T>(to_f(nw[i]) * round_to<T>(buf[i] * rstd));
+      }
+    }
+  }
+  const int64_t half = d / 2;
+  for (int64_t i = 0; i < d; ++i) {
+    const float rolled = buf[i < half ? i + half : i - half];
+    const float a = round_to<T>(buf[i] * to_f(cs[i]));
+    p[i] = from_f<T>(std::fma(rolled, to_f(sn[i]), a));  // torch's CPU addcmul is an fma
+  }
+}
+
+void rope_(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin_signed, int64_t hq, int64_t hkv,
+           int64_t d, const c10::optional<at::Tensor>& q_weight, const c10::optional<at::Tensor>& k_weight,
+           double eps) {
+  check_cpu(qkv, "qkv");
+  TORCH_CHECK(qkv.dim() == 2 && qkv.stride(1) == 1, "rope_: qkv [T, W] with contiguous rows");
+  TORCH_CHECK(qkv.size(1) >= (hq + hkv) * d && d % 2 == 0, "rope_: qkv too narrow or odd head_dim");
+  TORCH_CHECK(q_weight.has_value() == k_weight.has_value(), "rope_: pass both q and k norm weights, or neither");
+  const int64_t t = qkv.size(0);
+  auto c = cos.reshape({t, d}).contiguous(), s = sin_signed.reshape({t, d}).contiguous();
+  TORCH_CHECK(c.scalar_type() == qkv.scalar_type() && s.scalar_type() == qkv.scalar_type(),
+              "rope_: cos / sin in qkv's dtype");
+  at::Tensor qw, kw;
+  if (q_weight.has_value()) {
+    qw = q_weight->to(qkv.scalar_type()).contiguous();
+    kw = k_weight->to(qkv.scalar_type()).contiguous();
+    TORCH_CHECK(qw.numel() == d && kw.numel() == d, "rope_: norm weights of head_dim entries");
+  }
+  const int64_t heads = hq + hkv, rs = qkv.stride(0);
+  KVT_DISPATCH_FLOAT(qkv.scalar_type(), "rope_", [&] {
+    scalar_t* base = qkv.data_ptr<scalar_t>();
+    const scalar_t* cp = c.data_ptr<scalar_t>();
+    const scalar_t* sp = s.data_ptr<scalar_t>();
+    const scalar_t* qwp = qw.defined() ? qw.data_ptr<scalar_t>() : nullptr;
+    const scalar_t* kwp = kw.defined() ? kw.data_ptr<scalar_t>() : nullptr;
+    at::parallel_for(0, t * heads, 64, [&](int64_t i0, int64_t i1) {
+      std::vector<float> buf(d);
+      for (int64_t i = i0; i < i1; ++i) {
+        const int64_t row = i / heads, head = i % heads;
+        rope_head<scalar_t>(base + row * rs + head * d, cp + row * d, sp + row * d, head < hq ? qwp : kwp, d,
+                            static_cast<float>(eps), buf.data());
+      }
+    });
+  });
+}
+
+// ------------------------------------------------------------------------------------ kv_store
+
+// Rows k, v [T, Hkv, D] (any row / head strides, contiguous D) -> slots of a page pool layer
+// [P, Hkv, ps, D]: slot = page * ps + offset. One rounding to the pool's dtype (the codec's cast).
+template <typename S, typename C>
+void store_rows(const at::Tensor& src, at::Tensor& cache, const int64_t* slots, int64_t t) {
+  const int64_t hkv = cache.size(1), ps = cache.size(2), d = cache.size(3);
+  const S* sp = src.data_ptr<S>();
+  C* cp = cache.data_ptr<C>();
+  const int64_t s0 = src.stride(0), s1 = src.stride(1);
+  for (int64_t i = 0; i < t; ++i) {
+    const int64_t page = slots[i] / ps, off = slots[i] % ps;
+    for (int64_t h = 0; h < hkv; ++h) {
+      const S* row = sp + i * s0 + h * s1;
+      C* dst = cp + ((page * hkv + h) * ps + off) * d;
+      for (int64_t j = 0; j < d; ++j) dst[j] = from_f<C>(to_f(row[j]));
+    }
+  }
+}
+
+void kv_store(at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& slots, const at::Tensor& k,
+              const at::Tensor& v) {
+  for (auto* c : {&k_cache, &v_cache}) {
+    check_cpu(*c, "cache");
+    TORCH_CHECK(c->dim() == 4 && c->is_contiguous(), "kv_store: contiguous [P, Hkv, ps, D] pages");
+  }
+  TORCH_CHECK(k.dim() == 3 && v.dim() == 3 && k.stride(2) == 1 && v.stride(2) == 1, "kv_store: k, v [T, Hkv, D]");
+  TORCH_CHECK(k.size(1) == k_cache.size(1) && k.size(2) == k_cache.size(3) && v.sizes() == k.sizes(),
+              "kv_store: rows do not match the pages' heads / head_dim");
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.numel() == k.size(0), "kv_store: one int64 slot per row");
+  auto sl = slots.contiguous();
+  const int64_t* sp = sl.data_ptr<int64_t>();
+  const int64_t t = k.size(0), cap = k_cache.size(0) * k_cache.size(2);
+  for (int64_t i = 0; i < t; ++i) TORCH_CHECK(sp[i] >= 0 && sp[i] < cap, "kv_store: slot ", sp[i], " out of range");
+  KVT_DISPATCH_FLOAT(k.scalar_type(), "kv_store", [&] {
+    using S = scalar_t;
+    KVT_DISPATCH_FLOAT(k_cache.scalar_type(), "kv_store", [&] {
+      store_rows<S, scalar_t>(k, k_cache, sp, t);
+      store_rows<S, scalar_t>(v.scalar_type() == k.scalar_type() ? v : v.to(k.scalar_type()), v_cache, sp, t);
+    });
+  });
+}
+
+// ------------------------------------------------------------------------------------ paged_decode
+
+// exp(x), vectorizable: 2^n * e^f with n = round(x / ln 2), f in [-ln2/2, ln2/2], e^f by a
+// degree-6 polynomial (relative error ~2e-7, a couple of fp32 ulps, as torch's own vectorized
+// exp). x is clamped to [-87, 88.8]: below, the result is ~1e-38 where expf gives a denormal or
+// 0 (nothing a softmax or silu can see); above, n = 128 makes it inf, as expf overflows.
+inline float exp_approx(float x) {
+  x = std::min(std::max(x, -87.0f), 88.8f);
+  const float n = std::nearbyint(x * 1.44269504088896341f);
+  const float f = (x - n * 0.693145751953125f) - n * 1.428606765330187e-06f;  // ln 2 in two parts
+  float p = 1.f / 720.f;
+  p = p * f + 1.f / 120.f;
+  p = p * f + 1.f / 24.f;
+  p = p * f + 1.f / 6.f;
+  p = p * f + 0.5f;
+  p = p * f + 1.f;
+  p = p * f + 1.f;
+  int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return p * scale;
+}
+
+#if defined(__AVX512F__)
+// 16 values of a K / V row as fp32.
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const BFloat16* p) {
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+inline __m512 load16(const Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+#endif
+
+// Attention of one query row per sequence (decode) over the first seq_lens[b] tokens of its
+// pages, read in place. Work items are (sequence, kv head, split of the context): the query heads
+// of a GQA group read each K/V row once together. Each item keeps its softmax max, sum and
+// unnormalised output (fp32); a second pass merges the splits of each (sequence, query head).
+#ifndef PREFETCH_PAGES
+#define PREFETCH_PAGES 2  // how far ahead for_rows prefetches (pages)
+#endif
+
+// Calls f(t, row) for t in [t0, t1) with row = the token's K (or V) row of kv head h: page by page,
+// so the page lookup and the offset division happen once a page, not once a token.
+template <typename C, typename F>
+inline void for_rows(const C* cache, const int64_t* table, int64_t t0, int64_t t1, int64_t h, int64_t hkv,
+                     int64_t ps, int64_t d, F&& f) {
+  int64_t t = t0;
+  const int64_t last = (t1 - 1) / ps;
+  while (t < t1) {
+    const int64_t off0 = t % ps, cnt = std::min(ps - off0, t1 - t), page = t / ps;
+    if (page + PREFETCH_PAGES <= last) {  // scattered pages: ask for a later one while this one runs
+      const char* next = reinterpret_cast<const char*>(cache + (table[page + PREFETCH_PAGES] * hkv + h) * ps * d);
+      for (int64_t b = 0; b < ps * d * static_cast<int64_t>(sizeof(C)); b += 64) __builtin_prefetch(next + b);
+    }
+    const C* base = cache + ((table[page] * hkv + h) * ps + off0) * d;
+    for (int64_t i = 0; i < cnt; ++i) f(t + i, base + i * d);
+    t += cnt;
+  }
+}
+
+template <typename C>
+void decode_split(const float* q, const C* kc, const C* vc, const int64_t* table, int64_t t0, int64_t t1,
+                  int64_t h, int64_t hkv, int64_t ps, int64_t d, int64_t g, float scale, float* part,
+                  std::vector<float>& scores, std::vector<float>& kbuf) {
+  const int64_t n = t1 - t0;
+  scores.resize(static_cast<size_t>(g * std::max<int64_t>(n, 1)));
+  kbuf.resize(static_cast<size_t>(d));
+  float* rp = kbuf.data();
+  float* sc = scores.data();
+  // scores [g, n]: each K row is converted once and dotted with the group's query heads
+  bool done = false;
+#if defined(__AVX512F__)
+  if (d % 16 == 0 && d <= 256) {
+    const int64_t chunks = d / 16;
+    for_rows(kc, table, t0, t1, h, hkv, ps, d, [&](int64_t t, const C* kr) {
+      __m512 kv[16];
+      for (int64_t c = 0; c < chunks; ++c) kv[c] = load16(kr + 16 * c);
+      for (int64_t j = 0; j < g; ++j) {
+        const float* qj = q + j * d;
+        __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(qj), kv[0]);
+        for (int64_t c = 1; c < chunks; ++c) acc = _mm512_fmadd_ps(_mm512_loadu_ps(qj + 16 * c), kv[c], acc);
+        sc[j * n + (t - t0)] = _mm512_reduce_add_ps(acc) * scale;
+      }
+    });
+    done = true;
+  }
+#endif
+  if (!done) {
+    for_rows(kc, table, t0, t1, h, hkv, ps, d, [&](int64_t t, const C* kr) {
+      for (int64_t i = 0; i < d; ++i) rp[i] = to_f(kr[i]);
+      for (int64_t j = 0; j < g; ++j) {
+        const float* qj = q + j * d;
+        float acc = 0.f;
+#pragma omp simd reduction(+ : acc)
+        for (int64_t i = 0; i < d; ++i) acc += qj[i] * rp[i];
+        sc[j * n + (t - t0)] = acc * scale;
+      }
+    });
+  }
+  // per query head: the split's max and sum; part = [d outputs, max, sum]
+  for (int64_t j = 0; j < g; ++j) {
+    float* sj = sc + j * n;
+    float m = -std::numeric_limits<float>::infinity();
+    for (int64_t i = 0; i < n; ++i) m = std::max(m, sj[i]);
+    float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t i = 0; i < n; ++i) {
+      sj[i] = exp_approx(sj[i] - m);
+      sum += sj[i];
+    }
+    float* o = part + j * (d + 2);
+    std::fill(o, o + d, 0.f);
+    o[d] = m;
+    o[d + 1] = sum;
+  }
+#if defined(__AVX512F__)
+  if (d % 16 == 0 && g <= 16) {
+    // one 16-wide column block of V at a time, the group's accumulators in registers
+    for (int64_t c = 0; c < d / 16; ++c) {
+      __m512 acc[16];
+      for (int64_t j = 0; j < g; ++j) acc[j] = _mm512_setzero_ps();
+      for_rows(vc, table, t0, t1, h, hkv, ps, d, [&](int64_t t, const C* vr) {
+        const __m512 v = load16(vr + 16 * c);
+        for (int64_t j = 0; j < g; ++j) acc[j] = _mm512_fmadd_ps(_mm512_set1_ps(sc[j * n + (t - t0)]), v, acc[j]);
+      });
+      for (int64_t j = 0; j < g; ++j) _mm512_storeu_ps(part + j * (d + 2) + 16 * c, acc[j]);
+    }
+    return;
+  }
+#endif
+  for_rows(vc, table, t0, t1, h, hkv, ps, d, [&](int64_t t, const C* vr) {
+    for (int64_t i = 0; i < d; ++i) rp[i] = to_f(vr[i]);
+    for (int64_t j = 0; j < g; ++j) {
+      const float p = sc[j * n + (t - t0)];
+      float* o = part + j * (d + 2);
+#pragma omp simd
+      for (int64_t i = 0; i < d; ++i) o[i] += p * rp[i];
+    }
+  });
+}
+
+at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                        const at::Tensor& block_table, const at::Tensor& seq_lens, double scale,
+                        int64_t min_split) {
+  check_cpu(q, "q");
+  TORCH_CHECK(q.dim() == 3, "paged_decode: q [B, Hq, D]");
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
+                  v_cache.sizes() == k_cache.sizes() && v_cache.scalar_type() == k_cache.scalar_type(),
+              "paged_decode: contiguous K / V pages [P, Hkv, ps, D] of one dtype");
+  const int64_t b = q.size(0), hq = q.size(1), d = q.size(2);
+  const int64_t hkv = k_cache.size(1), ps = k_cache.size(2);
+  TORCH_CHECK(k_cache.size(3) == d && hq % hkv == 0, "paged_decode: head_dim / GQA grouping mismatch");
+  auto table = block_table.to(at::kLong).contiguous();
+  auto lens = seq_lens.to(at::kLong).contiguous();
+  TORCH_CHECK(table.dim() == 2 && table.size(0) >= b && lens.numel() >= b, "paged_decode: one table row and length per sequence");
+  const int64_t maxp = table.size(1), pages = k_cache.size(0), g = hq / hkv;
+  const int64_t* tp = table.data_ptr<int64_t>();
+  const int64_t* lp = lens.data_ptr<int64_t>();
+  int64_t longest = 0;
+  for (int64_t i = 0; i < b; ++i) {
+    TORCH_CHECK(lp[i] >= 0 && lp[i] <= maxp * ps, "paged_decode: sequence ", i, " longer than its table");
+    for (int64_t p = 0; p < (lp[i] + ps - 1) / ps; ++p)
+      TORCH_CHECK(tp[i * maxp + p] >= 0 && tp[i * maxp + p] < pages, "paged_decode: page id out of range");
+    longest = std::max(longest, lp[i]);
+  }
+  auto qf = q.to(at::kFloat).contiguous();
+  // Split the context so that every thread has work even for one sequence of few kv heads.
+  const int64_t threads = at::get_num_threads();
+  int64_t splits = 1;
+  if (longest > 0) {
+    splits = std::max<int64_t>(1, std::min<int64_t>((2 * threads + b * hkv - 1) / (b * hkv),
+                                                    longest / std::max<int64_t>(min_split, 1)));
+  }
+  const int64_t chunk = longest > 0 ? (longest + splits - 1) / splits : 1;
+  auto parts = at::empty({b, hkv, splits, g, d + 2}, qf.options());
+  float* pp = parts.data_ptr<float>();
+  const float* qp = qf.data_ptr<float>();
+  const float sc = static_cast<float>(scale);
+  KVT_DISPATCH_FLOAT(k_cache.scalar_type(), "paged_decode", [&] {
+    const scalar_t* kc = k_cache.data_ptr<scalar_t>();
+    const scalar_t* vc = v_cache.data_ptr<scalar_t>();
+    at::parallel_for(0, b * hkv * splits, 1, [&](int64_t i0, int64_t i1) {
+      std::vector<float> scores, kbuf;
+      for (int64_t i = i0; i < i1; ++i) {
+        const int64_t s = i % splits, h = (i / splits) % hkv, row = i / (splits * hkv);
+        const int64_t t0 = std::min(lp[row], s * chunk), t1 = std::min(lp[row], (s + 1) * chunk);
+        float* part = pp + i * g * (d + 2);
+        if (t0 >= t1) {  // an empty split (or an empty sequence): weight zero in the merge
+          for (int64_t j = 0; j < g; ++j) {
+            std::fill(part + j * (d + 2), part + j * (d + 2) + d, 0.f);
+            part[j * (d + 2) + d] = -std::numeric_limits<float>::infinity();
+            part[j * (d + 2) + d + 1] = 0.f;
+          }
+          continue;
+        }
+        decode_split<scalar_t>(qp + (row * hq + h * g) * d, kc, vc, tp + row * maxp, t0, t1, h, hkv, ps, d, g,
+                               sc, part, scores, kbuf);
+      }
+    });
+  });
+  const bool direct = q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16 || q.scalar_type() == at::kHalf;
+  auto out = at::empty({b, hq, d}, q.options().dtype(direct ? q.scalar_type() : at::kFloat));
+  KVT_DISPATCH_FLOAT(out.scalar_type(), "paged_decode", [&] {
+    scalar_t* op = out.data_ptr<scalar_t>();
+    at::parallel_for(0, b * hq, 64, [&](int64_t i0, int64_t i1) {
+      std::vector<float> acc(d);
+      for (int64_t i = i0; i < i1; ++i) {
+        const int64_t row = i / hq, head = i % hq, h = head / g, j = head % g;
+        float m = -std::numeric_limits<float>::infinity();
+        for (int64_t s = 0; s < splits; ++s)
+          m = std::max(m, pp[(((row * hkv + h) * splits + s) * g + j) * (d + 2) + d]);
+        std::fill(acc.begin(), acc.end(), 0.f);
+        float total = 0.f;
+        for (int64_t s = 0; s < splits; ++s) {
+          const float* part = pp + (((row * hkv + h) * splits + s) * g + j) * (d + 2);
+          if (part[d + 1] == 0.f) continue;
+          const float w = std::exp(part[d] - m);
+          total += w * part[d + 1];
+          for (int64_t x = 0; x < d; ++x) acc[x] += w * part[x];
+        }
+        scalar_t* o = op + (row * hq + head) * d;
+        // an empty sequence (a padding row) attends nothing: zeros, as the reference's
+        // fully masked softmax would give NaN and padding rows are never read
+        const float inv = total > 0.f ? 1.f / total : 0.f;
+        for (int64_t x = 0; x < d; ++x) o[x] = from_f<scalar_t>(acc[x] * inv);
+      }
+    });
+  });
+  return direct ? out : out.to(q.scalar_type());
+}
+
+// ------------------------------------------------------------------------------------ silu_mul
+
+// silu(gate) * up as torch computes it in gu's dtype: silu rounded, then the product rounded.
+template <typename T>
+void silu_mul_rows(const T* src, T* dst, int64_t t, int64_t inter, int64_t rs) {
+  at::parallel_for(0, t, 1, [&](int64_t r0, int64_t r1) {
+    std::vector<float> act(inter);
+    float* a = act.data();
+    for (int64_t r = r0; r < r1; ++r) {
+      const T* gate = src + r * rs;
+      const T* up = gate + inter;
+#pragma omp simd
+      for (int64_t c = 0; c < inter; ++c) {
+        const float x = to_f(gate[c]);
+        a[c] = x / (1.f + exp_approx(-x));
+      }
+      T* o = dst + r * inter;
+      for (int64_t c = 0; c < inter; ++c) o[c] = from_f<T>(round_to<T>(a[c]) * to_f(up[c]));
+    }
+  });
+}
+
+at::Tensor silu_mul(const at::Tensor& gu) {
+  check_cpu(gu, "gu");
+  TORCH_CHECK(gu.dim() == 2 && gu.stride(1) == 1 && gu.size(1) % 2 == 0, "silu_mul: gu [T, 2I], contiguous rows");
+  const int64_t t = gu.size(0), inter = gu.size(1) / 2;
+  auto out = at::empty({t, inter}, gu.options());
+  KVT_DISPATCH_FLOAT(gu.scalar_type(), "silu_mul", [&] {
+    silu_mul_rows<scalar_t>(gu.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), t, inter, gu.stride(0));
+  });
+  return out;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("rms_norm", &rms_norm, "RMSNorm of fp32 rows, cast to out_dtype");
+  m.def("rope_", &rope_, "per-head RMSNorm (optional) + rotary, in place on qkv");
+  m.def("kv_store", &kv_store, "K/V rows into a plain page pool layer");
+  m.def("paged_decode", &paged_decode, "one-row-per-sequence attention over paged K/V");
+  m.def("silu_mul", &silu_mul, "silu(gu[:, :I]) * gu[:, I:]");
+}

@@ -1,0 +1,145 @@
+"""The C++ CPU decode kernels (kvtier/kernels/csrc/cpu_ops.cpp) against their PyTorch references,
+on random inputs. Where the machine cannot build them the test fails rather than skips: a CPU
+without its fast path is a regression the suite must show (KVTIER_CPU_KERNELS=0 opts out)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvtier.kernels import cpu_ops, fused
+from kvtier.layers.attention import decode_attend_cpu
+from kvtier.layers.rotary import RotaryEmbedding
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+pytestmark = pytest.mark.skipif(not cpu_ops.wanted(), reason="KVTIER_CPU_KERNELS=0")
+
+
+@pytest.fixture(scope="module")
+def ops():
+    mod = cpu_ops.ops()
+    assert mod is not None, "the CPU kernels did not build (see the warning logged by kvtier.kernels.cpu_ops)"
+    return mod
+
+
+def _ulps_close(got: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype, ulps: float = 2.0) -> None:
+    """Equal up to a few roundings of `dtype` relative to the tensor's scale (the kernels sum in
+    another order than torch, so a value may round to the neighbouring representable one)."""
+    eps = torch.finfo(dtype).eps
+    scale = ref.float().abs().max().clamp_min(1e-6)
+    err = float((got.float() - ref.float()).abs().max() / scale)
+    assert err <= ulps * eps + 1e-6, f"max error {err:.3g} x scale exceeds {ulps} ulps of {dtype}"
+
+
+@pytest.mark.parametrize("out_dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 5])
+def test_rms_norm(ops, out_dtype, rows):
+    g = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 576, generator=g) * 3
+    w = torch.rand(576, generator=g) + 0.5
+    ref = fused.rms_norm_reference(x, w, 1e-5).to(out_dtype)
+    got = ops.rms_norm(x, w, 1e-5, out_dtype)
+    assert got.dtype == out_dtype and got.shape == ref.shape
+    _ulps_close(got, ref, out_dtype)
+    # a strided view of rows (the decoder's logits rows) reads each row where it is
+    big = torch.randn(2 * rows, 576, generator=g)
+    _ulps_close(ops.rms_norm(big[::2], w, 1e-5, out_dtype), fused.rms_norm_reference(big[::2], w, 1e-5).to(out_dtype),
+                out_dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("qk_norm", [False, True])
+@pytest.mark.parametrize("d", [64, 128])
+def test_rope_matches_reference(ops, dtype, qk_norm, d):
+    g = torch.Generator().manual_seed(d + qk_norm)
+    hq, hkv, t = 6, 2, 4
+    qkv = (torch.randn(t, (hq + 2 * hkv) * d, generator=g) * 2).to(dtype)
+    rot = RotaryEmbedding(d, 10000.0, 64, dtype=dtype)
+    cos, sin = rot(torch.tensor([0, 7, 30, 63]))
+    qw = kw = None
+    if qk_norm:
+        qw, kw = (torch.rand(d, generator=g) + 0.5).to(dtype), (torch.rand(d, generator=g) + 0.5).to(dtype)
+    q_ref, k_ref = fused.qk_norm_rope_reference(qkv.clone(), hq, hkv, d, cos, sin, qw, kw, 1e-6)
+    got = qkv.clone()
+    ops.rope_(got, cos, sin, hq, hkv, d, qw, kw, 1e-6)
+    q = got[:, :hq * d].view(t, hq, d)
+    k = got[:, hq * d:(hq + hkv) * d].view(t, hkv, d)
+    if qk_norm:  # the per-head norm's sum of squares is reduced in another order: a rounding apart
+        _ulps_close(q, q_ref, dtype, 4)
+        _ulps_close(k, k_ref, dtype, 4)
+    else:  # same products, same roundings: bit-equal
+        assert torch.equal(q, q_ref) and torch.equal(k, k_ref)
+    assert torch.equal(got[:, (hq + hkv) * d:], qkv[:, (hq + hkv) * d:])  # V untouched
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_mul(ops, dtype):
+    g = torch.Generator().manual_seed(3)
+    gu = (torch.randn(3, 2 * 1536, generator=g) * 4).to(dtype)
+    _ulps_close(ops.silu_mul(gu), fused.silu_mul_reference(gu), dtype)
+
+
+def _pool(pages, hkv, ps, d, dtype, g):
+    return (torch.randn(pages, hkv, ps, d, generator=g).to(dtype), torch.randn(pages, hkv, ps, d, generator=g).to(dtype))
+
+
+@pytest.mark.parametrize("cache_dtype", DTYPES)
+def test_kv_store_matches_indexing(ops, cache_dtype):
+    g = torch.Generator().manual_seed(5)
+    kc, vc = _pool(8, 3, 16, 64, cache_dtype, g)
+    kc_ref, vc_ref = kc.clone(), vc.clone()
+    slots = torch.tensor([5, 17, 100, 127])
+    qkv = torch.randn(4, 9 * 64, generator=g).bfloat16()  # k and v as the decoder has them: strided views
+    k, v = qkv[:, 3 * 64:6 * 64].view(4, 3, 64), qkv[:, 6 * 64:].view(4, 3, 64)
+    ops.kv_store(kc, vc, slots, k, v)
+    kc_ref[slots // 16, :, slots % 16] = k.to(cache_dtype)
+    vc_ref[slots // 16, :, slots % 16] = v.to(cache_dtype)
+    assert torch.equal(kc, kc_ref) and torch.equal(vc, vc_ref)
+    with pytest.raises(RuntimeError, match="out of range"):
+        ops.kv_store(kc, vc, torch.tensor([0, 1, 2, 128]), k, v)
+
+
+def _decode_reference(q, kc, vc, tables, lens, scale):
+    ps = kc.shape[2]
+    out = []
+    for b, (pt, n) in enumerate(zip(tables, lens)):
+        kp, vp = kc[pt], vc[pt]  # [P, Hkv, ps, D]
+        hkv, d = kp.shape[1], kp.shape[3]
+        kk = kp.permute(1, 0, 2, 3).reshape(hkv, -1, d)[:, :n]
+        vv = vp.permute(1, 0, 2, 3).reshape(hkv, -1, d)[:, :n]
+        out.append(decode_attend_cpu(q[b][:, None], kk, vv, scale)[:, 0])
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("cache_dtype", DTYPES)
+@pytest.mark.parametrize("lens", [[1], [37], [700], [5, 300, 16, 1024]])
+@pytest.mark.parametrize("min_split", [1, 64, 100000])
+def test_paged_decode_matches_reference(ops, cache_dtype, lens, min_split):
+    g = torch.Generator().manual_seed(sum(lens))
+    hq, hkv, d, ps = 12, 4, 64, 16
+    pages = sum(-(-n // ps) for n in lens) + 3
+    kc, vc = _pool(pages, hkv, ps, d, cache_dtype, g)
+    perm = torch.randperm(pages, generator=g).tolist()  # pages in no particular order
+    tables, at = [], 0
+    for n in lens:
+        tables.append(perm[at:at + -(-n // ps)])
+        at += len(tables[-1])
+    width = max(len(t) for t in tables) + 2
+    block = torch.zeros(len(lens), width, dtype=torch.int32)
+    for b, t in enumerate(tables):
+        block[b, :len(t)] = torch.tensor(t)
+    q = (torch.randn(len(lens), hq, d, generator=g) * 2).to(cache_dtype)
+    got = ops.paged_decode(q, kc, vc, block, torch.tensor(lens, dtype=torch.int32), 0.125, min_split)
+    ref = _decode_reference(q, kc, vc, tables, lens, 0.125)
+    assert got.dtype == q.dtype
+    _ulps_close(got, ref, cache_dtype, 4 if cache_dtype == torch.float32 else 2)
+
+
+def test_paged_decode_checks_its_tables(ops):
+    kc, vc = _pool(4, 2, 16, 64, torch.float32, torch.Generator().manual_seed(0))
+    q = torch.randn(1, 4, 64)
+    with pytest.raises(RuntimeError, match="page id out of range"):
+        ops.paged_decode(q, kc, vc, torch.tensor([[0, 9]]), torch.tensor([20]), 0.125, 1)
+    with pytest.raises(RuntimeError, match="longer than its table"):
+        ops.paged_decode(q, kc, vc, torch.tensor([[0, 1]]), torch.tensor([40]), 0.125, 1)
