@@ -5,7 +5,9 @@ Where the weight lives decides how it is held and multiplied:
     CUDA           the QuantWeight itself; every batch size goes to
                    kvtier.kernels.wq_matmul.wq_linear (Triton: skinny / tiled / dequant+cuBLAS)
     CPU, bf16      repacked once at build time for torch's CPU kernels, and the QuantWeight freed:
-                     4-bit, group 32..256  -> Int4PackCPU: torch's int4pack (w = (q - 8) s + z,
+                     4-bit                 -> Int4VNNI: the codes with fp16 scale / min, multiplied
+                                              by kernels/cpu_ops.py's q4v_gemm (AVX512-VNNI CPUs);
+                                              else Int4PackCPU: torch's int4pack (w = (q - 8) s + z,
                                               bf16 s and z), `_weight_int4pack_mm_for_cpu`
                      8-bit (Q8_0, Q6_K, ..) -> Int8SplitCPU: the codes exactly, as two int4pack
                                               halves (groups of 16 re-rounded to 32 first)
@@ -25,9 +27,12 @@ the lm_head's packing, so the table is held once.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 
+from kvtier.kernels import cpu_ops
 from kvtier.layers.qweight import INT8_MAX, QuantWeight, pack_int4
 
 # Rows of x up to which CPU matmuls run torch's int4 / int8 weight kernels; above, dequantize +
@@ -51,6 +56,12 @@ REQUANT_ROWS = 1024
 # Smallest column scale of Int8RowsCPU (an all-zero column keeps a normal power of two).
 COL_SCALE_MIN = 2.0 ** -60
 PACK_ROWS = 16 * 64  # rows repacked to int4pack at once (a multiple of INT4PACK_BLOCK_N)
+# The q4v layout (Int4VNNI): output rows in blocks of 16 (one AVX-512 register of fp32 results).
+Q4V_BLOCK = 16
+NIBBLE_SHIFTS = 4 * torch.arange(8, dtype=torch.int32)  # column 8 j + i of a q4v word: bits 4 i ..
+# Int4VNNI keeps scales / mins in fp16 when that rounds each no worse than bf16 would (2^-9
+# relative); a matrix with values outside fp16's range keeps Int4PackCPU.
+FP16_SCALE_RTOL = 2.0 ** -9
 
 
 class Scratch:
@@ -161,6 +172,115 @@ class Int4PackCPU(PackedWeight):
         out = torch.empty(idx.shape[0], k, dtype=dtype)
         self._apply_scales(codes, self.sz[:, idx], out)
         return out
+
+
+class Int4VNNI(PackedWeight):
+    """4-bit codes in the q4v layout of kernels/csrc/cpu_ops.cpp, multiplied by its AVX512-VNNI
+    kernel (`q4v_gemm`): w = q * scale + min with the codes as the file has them and scale / min
+    in fp16 per group (GGUF's Q4_0 / Q4_1 keep theirs in fp16: exact; bf16 in Int4PackCPU):
+
+        codes  int32 [Nb, K / 8, 16]     lane r of word (b, j): row 16 b + r, columns 8 j .. 8 j + 7
+        sm     fp16  [Nb, K / G, 2, 16]  (scale, min) of each row's group;  Nb = ceil(N / 16)
+
+    The kernel reads a code as a byte in an integer dot product (no fp32 conversion per weight,
+    which bounds torch's int4pack kernel): 14 vs 27 us for [3072, 576] at one row."""
+
+    row_align = Q4V_BLOCK
+
+    def __init__(self, shape: tuple[int, int], group: int) -> None:
+        super().__init__()
+        n, k = shape
+        nb = -(-n // Q4V_BLOCK)
+        self.shape, self.group = (n, k), group
+        self.register_buffer("codes", torch.zeros(nb, k // 8, Q4V_BLOCK, dtype=torch.int32), persistent=False)
+        self.register_buffer("sm", torch.zeros(nb, k // group, 2, Q4V_BLOCK, dtype=torch.float16), persistent=False)
+
+    @staticmethod
+    def supports(k: int, group: int) -> bool:
+        """Whether the q4v kernel is built here (AVX512-VNNI CPU) and takes this K / group."""
+        ops = cpu_ops.ops()
+        return ops is not None and ops.q4v_supported() and group % 8 == 0 and k % group == 0
+
+    @classmethod
+    def build(cls, shape: tuple[int, int], group: int, scale: torch.Tensor, minv: torch.Tensor,
+              fill: "Callable[[int, int], torch.Tensor]") -> "Int4VNNI | None":
+        """scale, minv fp32 [N, K / G]; fill(r0, r1) -> codes [r1 - r0, K] (0..15) of those rows.
+        None when fp16 would hold a scale or min less precisely than bf16 does (out of its range)."""
+        s16, m16 = scale.to(torch.float16), minv.to(torch.float16)
+        for a, b in ((scale, s16), (minv, m16)):
+            if not bool(((b.float() - a).abs() <= a.abs() * FP16_SCALE_RTOL).all()):
+                return None
+        out = cls(shape, group)
+        n, k = shape
+        for r0 in range(0, n, PACK_ROWS):
+            r1 = min(n, r0 + PACK_ROWS)
+            out._pack_rows(r0, fill(r0, r1), s16[r0:r1], m16[r0:r1])
+        return out
+
+    @classmethod
+    def from_qweight(cls, qw: QuantWeight) -> "Int4VNNI | None":
+        scale = qw.scales.float()
+        minv = qw.mins.float() if qw.mins is not None else torch.zeros_like(scale)
+        return cls.build(qw.shape, qw.group, scale, minv, lambda r0, r1: unpack_int4(qw.qweight[r0:r1]))
+
+    def _pack_rows(self, r0: int, codes: torch.Tensor, scale: torch.Tensor, minv: torch.Tensor) -> None:
+        """codes [R, K] 0..15 of rows r0.. (r0 a multiple of 16), scale / minv fp16 [R, G]."""
+        r, k = codes.shape
+        rp = -(-r // Q4V_BLOCK) * Q4V_BLOCK
+        q = torch.zeros(rp, k, dtype=torch.int32)
+        q[:r] = codes
+        words = (q.view(rp, k // 8, 8) << NIBBLE_SHIFTS).sum(-1, dtype=torch.int32)  # [Rp, K / 8]
+        b0, nb = r0 // Q4V_BLOCK, rp // Q4V_BLOCK
+        self.codes[b0:b0 + nb] = words.view(nb, Q4V_BLOCK, k // 8).transpose(1, 2)
+        g = k // self.group
+        sm = torch.zeros(rp, 2, g, dtype=torch.float16)
+        sm[:r, 0], sm[:r, 1] = scale, minv
+        self.sm[b0:b0 + nb] = sm.view(nb, Q4V_BLOCK, 2, g).permute(0, 3, 2, 1)
+
+    def gemv(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """x [M, K] -> x @ W^T [M, N] in x's dtype; with residual [M, N]: residual + that, in the
+        residual's dtype (one call: the decoder's residual adds)."""
+        ops = cpu_ops.ops()
+        if ops is None:  # switched off (cpu_ops.disabled): the reference, fp32 over the dense weight
+            return self.gemv_reference(x, residual)
+        return ops.q4v_gemm(x, self.codes, self.sm, self.group, self.shape[0], residual)
+
+    def gemv_reference(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """What q4v_gemm computes, in PyTorch: x @ W^T in fp32 over the dequantized rows, rounded to x's dtype."""
+        w = self._unpack(self.codes, self.sm, torch.float32)[:self.shape[0]]
+        y = (x.float() @ w.t()).to(x.dtype)
+        return y if residual is None else residual + y
+
+    def _unpack(self, blocks: torch.Tensor, sm: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """blocks int32 [B, K / 8, 16], their sm [B, G, 2, 16] -> dense rows [B * 16, K] in dtype."""
+        b, words, _ = blocks.shape
+        k = words * 8
+        q = (blocks.unsqueeze(-1) >> NIBBLE_SHIFTS) & 0xF  # [B, K / 8, 16, 8]
+        q = q.permute(0, 2, 1, 3).reshape(b * Q4V_BLOCK, k // self.group, self.group)
+        scale = sm[:, :, 0].permute(0, 2, 1).reshape(b * Q4V_BLOCK, -1, 1).float()
+        minv = sm[:, :, 1].permute(0, 2, 1).reshape(b * Q4V_BLOCK, -1, 1).float()
+        return torch.addcmul(minv, q.float(), scale).reshape(b * Q4V_BLOCK, k).to(dtype)
+
+    def dequantize_into(self, r0: int, r1: int, out: torch.Tensor) -> None:
+        if r1 <= r0:
+            return
+        b0, b1 = r0 // Q4V_BLOCK, -(-r1 // Q4V_BLOCK)
+        rows = self._unpack(self.codes[b0:b1], self.sm[b0:b1], out.dtype)
+        out.copy_(rows[r0 - b0 * Q4V_BLOCK:r1 - b0 * Q4V_BLOCK])
+
+    def rows(self, idx: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        blocks, lanes = idx // Q4V_BLOCK, idx % Q4V_BLOCK
+        dense = self._unpack(self.codes[blocks], self.sm[blocks], dtype).view(idx.shape[0], Q4V_BLOCK, -1)
+        return dense[torch.arange(idx.shape[0]), lanes]
+
+
+def unpack_int4(qweight: torch.Tensor) -> torch.Tensor:
+    """QuantWeight 4-bit codes uint8 [R, K / 2] (even column in the low nibble) -> [R, K] uint8."""
+    r, half = qweight.shape
+    out = torch.empty(r, half, 2, dtype=torch.uint8)
+    out[..., 0] = qweight & 0xF
+    out[..., 1] = qweight >> 4
+    return out.view(r, half * 2)
 
 
 class Int8RowsCPU(PackedWeight):
@@ -351,6 +471,10 @@ def pack_for(qw: QuantWeight, dtype: torch.dtype, exact_codes: bool = False) -> 
         return QuantRef(qw)
     has_int4 = hasattr(torch, "_weight_int4pack_mm_for_cpu")
     has_int8 = hasattr(torch, "_weight_int8pack_mm")
+    if qw.bits == 4 and Int4VNNI.supports(qw.shape[1], qw.group):
+        packed = Int4VNNI.from_qweight(qw)
+        if packed is not None:
+            return packed
     if qw.bits == 4 and has_int4 and qw.group in INT4PACK_GROUPS:
         return Int4PackCPU.from_qweight(qw, dtype)
     if qw.bits == 8 and has_int4 and (exact_codes or not fits_5_bits(qw) or not has_int8):
@@ -378,7 +502,10 @@ class QuantLinear(torch.nn.Module):
         if self.on_cuda:
             from kvtier.kernels.wq_matmul import wq_linear  # written alongside; CUDA only
             return wq_linear(x, self.weight.qw, self.bias, residual)
-        y = self.weight.gemv(x) if x.shape[0] <= self.weight.gemv_max_rows else None
+        small = x.shape[0] <= self.weight.gemv_max_rows
+        if small and residual is not None and self.bias is None and isinstance(self.weight, Int4VNNI):
+            return self.weight.gemv(x, residual)  # the residual add inside the kernel's call
+        y = self.weight.gemv(x) if small else None
         if y is None:
             y = self._dense_matmul(x)
         if self.bias is not None:

@@ -143,3 +143,48 @@ def test_paged_decode_checks_its_tables(ops):
         ops.paged_decode(q, kc, vc, torch.tensor([[0, 9]]), torch.tensor([20]), 0.125, 1)
     with pytest.raises(RuntimeError, match="longer than its table"):
         ops.paged_decode(q, kc, vc, torch.tensor([[0, 1]]), torch.tensor([40]), 0.125, 1)
+
+
+def _q4_weight(n: int, k: int, group: int, seed: int):
+    from kvtier.layers.qweight import quantize_rtn
+
+    g = torch.Generator().manual_seed(seed)
+    return quantize_rtn(torch.randn(n, k, generator=g) * 0.05 + 0.01, 4, group)  # fp16 scales and mins
+
+
+@pytest.mark.parametrize("n,k,group", [(16, 64, 32), (40, 96, 32), (100, 128, 64), (300, 576, 32)])
+def test_int4_vnni_packing_round_trips(ops, n, k, group):
+    from kvtier.layers.qlinear import Int4VNNI
+
+    qw = _q4_weight(n, k, group, n)
+    packed = Int4VNNI.from_qweight(qw)
+    assert packed is not None
+    dense = qw.dequantize()
+    out = torch.empty(n - 16, k)
+    packed.dequantize_into(16, n, out)  # from a block boundary to a partial last block
+    assert torch.equal(out, dense[16:])
+    idx = torch.tensor([0, n - 1, 17 % n, 5])
+    assert torch.equal(packed.rows(idx, torch.float32), dense[idx])
+
+
+@pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 64])
+@pytest.mark.parametrize("n,k,group", [(40, 96, 32), (300, 576, 32), (100, 128, 64)])
+def test_q4v_gemm_matches_the_dequantized_matmul(ops, x_dtype, m, n, k, group):
+    from kvtier.layers.qlinear import Int4VNNI
+
+    if not ops.q4v_supported():
+        pytest.skip("this CPU has no AVX512-VNNI")
+    packed = Int4VNNI.from_qweight(_q4_weight(n, k, group, m + n))
+    g = torch.Generator().manual_seed(m)
+    x = (torch.randn(m, k, generator=g) * 3).to(x_dtype)
+    x[0, :group] *= 1e-3  # a group far below the others: its own activation scale
+    ref = packed.gemv_reference(x)  # fp32 over the dequantized weight, rounded to x's dtype
+    got = packed.gemv(x)
+    assert got.dtype == x_dtype and got.shape == (m, n)
+    # activations enter as 16-bit fixed point per group (error <= amax / 65024 each): ~1e-4 of
+    # the output's scale in fp32, far inside bf16's rounding (a bf16 output is a rounding apart)
+    tol = 1e-4 if x_dtype == torch.float32 else 2 * torch.finfo(torch.bfloat16).eps
+    assert float((got.float() - ref.float()).abs().max() / ref.float().abs().max()) < tol
+    res = torch.randn(m, n, generator=g)  # the fused residual add: residual + the rounded product
+    assert torch.allclose(packed.gemv(x, res), res + got.float(), atol=1e-6, rtol=0)

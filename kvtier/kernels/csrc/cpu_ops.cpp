@@ -10,6 +10,8 @@
 //   kv_store      K/V rows -> their slots of a plain (fp32 / bf16 / fp16) page pool
 //   paged_decode  one query row per sequence over its pages, split-K across threads
 //   silu_mul      gu [T, 2I] -> silu(gu[:, :I]) * gu[:, I:]
+//   q4v_gemm      x @ W^T over 4-bit codes with AVX512-VNNI integer dot products (torch's int4pack
+//                 kernel converts every code to fp32 first: ~1.7x slower at one row)
 //
 // Each has its PyTorch reference (kvtier/kernels/fused.py, kvtier/layers/attention.py,
 // kvtier/kv/formats.py) and rounds where the reference rounds: fp32 arithmetic, then one rounding
@@ -477,6 +479,184 @@ at::Tensor silu_mul(const at::Tensor& gu) {
   return out;
 }
 
+// ------------------------------------------------------------------------------------ q4 GEMM (VNNI)
+
+// y = x @ W^T with W in 4-bit codes q (0..15) and per-group fp16 scale / min (w = q scale + min),
+// in this file's "q4v" layout, made by kvtier/layers/qlinear.py Int4VNNI.pack:
+//   codes  int32 [N / 16, K / 8, 16]: lane r of word (b, j) holds row 16 b + r, columns 8 j .. 8 j + 7,
+//          column 8 j + i in bits 4 i .. 4 i + 3
+//   sm     fp16  [N / 16, K / G, 2, 16]: (scale, min) of each row's group
+// Activations enter the integer dot products as two int8 parts per group of G columns: with
+// s = amax / 127, x = s (hi + lo / 256) + e, |e| <= s / 512 (16 bits of the group's range, finer
+// than the bf16 the activations come in except for values 2^-8 below the group's largest), so
+//   sum_k x q = s (sum hi q + sum lo q / 256)     (AVX512-VNNI vpdpbusd: u8 codes x s8 parts)
+//   y = sum_g scale_g s_g (that) + min_g sum_k x                      (fp32)
+// Masking the even / odd nibbles of a word gives bytes (q0, q2, q4, q6) and (q1, q3, q5, q7); the
+// activation parts are laid out to match (x_parts). Output rounded to x's dtype, or with
+// `residual` [M, N]: residual + that rounded value, in the residual's dtype (the fused add).
+struct XParts {
+  std::vector<uint32_t> hi_even, hi_odd, lo_even, lo_odd;  // [M, K / 8]: 4 int8 per word
+  std::vector<float> scale, sum;                            // [M, K / G]
+};
+
+XParts x_parts(const float* x, int64_t m, int64_t k, int64_t group) {
+  XParts p;
+  const int64_t words = k / 8, groups = k / group;
+  for (auto* v : {&p.hi_even, &p.hi_odd, &p.lo_even, &p.lo_odd}) v->assign(m * words, 0);
+  p.scale.assign(m * groups, 0.f);
+  p.sum.assign(m * groups, 0.f);
+  std::vector<int8_t> hi(k), lo(k);
+  for (int64_t r = 0; r < m; ++r) {
+    const float* xr = x + r * k;
+    for (int64_t g = 0; g < groups; ++g) {
+      float amax = 0.f, sum = 0.f;
+      for (int64_t i = g * group; i < (g + 1) * group; ++i) {
+        amax = std::max(amax, std::fabs(xr[i]));
+        sum += xr[i];
+      }
+      const float s = amax > 0.f ? amax / 127.f : 1.f;
+      const float inv = 1.f / s;
+      for (int64_t i = g * group; i < (g + 1) * group; ++i) {
+        const float h = std::nearbyint(xr[i] * inv);
+        const float l = std::nearbyint((xr[i] - h * s) * inv * 256.f);
+        hi[i] = static_cast<int8_t>(std::clamp(h, -127.f, 127.f));
+        lo[i] = static_cast<int8_t>(std::clamp(l, -128.f, 127.f));
+      }
+      p.scale[r * groups + g] = s;
+      p.sum[r * groups + g] = sum;
+    }
+    for (int64_t j = 0; j < words; ++j) {
+      auto pack = [&](const std::vector<int8_t>& v, int first) {
+        uint32_t w = 0;
+        for (int i = 0; i < 4; ++i) w |= static_cast<uint32_t>(static_cast<uint8_t>(v[8 * j + first + 2 * i])) << (8 * i);
+        return w;
+      };
+      p.hi_even[r * words + j] = pack(hi, 0);
+      p.hi_odd[r * words + j] = pack(hi, 1);
+      p.lo_even[r * words + j] = pack(lo, 0);
+      p.lo_odd[r * words + j] = pack(lo, 1);
+    }
+  }
+  return p;
+}
+
+#if defined(__AVX512F__) && defined(__AVX512VNNI__)
+// One 16-row block of W against MR rows of x (m0 ..), the codes unpacked once for all MR rows;
+// the group sums of the MR rows -> rows_out [MR, 16].
+template <int MR>
+inline void q4v_block(const XParts& xp, const int32_t* blk, const Half* smb, int64_t m0, int64_t words,
+                      int64_t groups, int64_t wpg, float* rows_out) {
+  const __m512i nib = _mm512_set1_epi32(0x0F0F0F0F);
+  __m512 acc[MR];
+  for (int i = 0; i < MR; ++i) acc[i] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    __m512i ah[MR], al[MR];
+    for (int i = 0; i < MR; ++i) ah[i] = al[i] = _mm512_setzero_si512();
+    for (int64_t j = g * wpg; j < (g + 1) * wpg; ++j) {
+      const __m512i w = _mm512_loadu_si512(blk + j * 16);
+      const __m512i even = _mm512_and_si512(w, nib);
+      const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(w, 4), nib);
+      for (int i = 0; i < MR; ++i) {
+        const int64_t o = (m0 + i) * words + j;
+        ah[i] = _mm512_dpbusd_epi32(ah[i], even, _mm512_set1_epi32(static_cast<int32_t>(xp.hi_even[o])));
+        ah[i] = _mm512_dpbusd_epi32(ah[i], odd, _mm512_set1_epi32(static_cast<int32_t>(xp.hi_odd[o])));
+        al[i] = _mm512_dpbusd_epi32(al[i], even, _mm512_set1_epi32(static_cast<int32_t>(xp.lo_even[o])));
+        al[i] = _mm512_dpbusd_epi32(al[i], odd, _mm512_set1_epi32(static_cast<int32_t>(xp.lo_odd[o])));
+      }
+    }
+    const __m512 scale = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(smb + g * 32)));
+    const __m512 minv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(smb + g * 32 + 16)));
+    for (int i = 0; i < MR; ++i) {
+      // sum_k x q / s_x, then w's scale and min
+      const __m512 dot = _mm512_fmadd_ps(_mm512_cvtepi32_ps(al[i]), _mm512_set1_ps(1.f / 256.f), _mm512_cvtepi32_ps(ah[i]));
+      const int64_t o = (m0 + i) * groups + g;
+      acc[i] = _mm512_fmadd_ps(_mm512_mul_ps(scale, _mm512_set1_ps(xp.scale[o])), dot, acc[i]);
+      acc[i] = _mm512_fmadd_ps(minv, _mm512_set1_ps(xp.sum[o]), acc[i]);
+    }
+  }
+  for (int i = 0; i < MR; ++i) _mm512_storeu_ps(rows_out + 16 * i, acc[i]);
+}
+
+template <typename X, typename R>
+void q4v_rows(const XParts& xp, const int32_t* codes, const Half* sm, X* y, const R* res, R* out, int64_t m_rows,
+              int64_t n, int64_t k, int64_t group) {
+  const int64_t blocks = (n + 15) / 16, words = k / 8, groups = k / group, wpg = group / 8;
+  at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
+    alignas(64) float rows[4 * 16];
+    for (int64_t b = b0; b < b1; ++b) {
+      const int32_t* blk = codes + b * words * 16;
+      const Half* smb = sm + b * groups * 32;
+      const int64_t valid = std::min<int64_t>(16, n - b * 16);
+      for (int64_t m0 = 0; m0 < m_rows;) {
+        const int64_t left = m_rows - m0;
+        const int mr = left >= 4 ? 4 : left >= 2 ? 2 : 1;
+        if (mr == 4) q4v_block<4>(xp, blk, smb, m0, words, groups, wpg, rows);
+        else if (mr == 2) q4v_block<2>(xp, blk, smb, m0, words, groups, wpg, rows);
+        else q4v_block<1>(xp, blk, smb, m0, words, groups, wpg, rows);
+        for (int i = 0; i < mr; ++i) {
+          const int64_t base = (m0 + i) * n + b * 16;
+          for (int64_t r = 0; r < valid; ++r) {
+            const X rounded = from_f<X>(rows[16 * i + r]);
+            if (out != nullptr) {
+              out[base + r] = from_f<R>(to_f(res[base + r]) + to_f(rounded));
+            } else {
+              y[base + r] = rounded;
+            }
+          }
+        }
+        m0 += mr;
+      }
+    }
+  });
+}
+#endif
+
+bool q4v_supported() {
+#if defined(__AVX512F__) && defined(__AVX512VNNI__)
+  return true;
+#else
+  return false;
+#endif
+}
+
+at::Tensor q4v_gemm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& sm, int64_t group, int64_t n,
+                    const c10::optional<at::Tensor>& residual) {
+#if defined(__AVX512F__) && defined(__AVX512VNNI__)
+  check_cpu(x, "x");
+  TORCH_CHECK(x.dim() == 2, "q4v_gemm: x [M, K]");
+  const int64_t m = x.size(0), k = x.size(1), blocks = (n + 15) / 16;
+  TORCH_CHECK(group > 0 && group % 8 == 0 && k % group == 0, "q4v_gemm: groups of a multiple of 8 columns tiling K");
+  TORCH_CHECK(codes.scalar_type() == at::kInt && codes.is_contiguous() && codes.numel() == blocks * (k / 8) * 16,
+              "q4v_gemm: int32 codes [ceil(N / 16), K / 8, 16]");
+  TORCH_CHECK(sm.scalar_type() == at::kHalf && sm.is_contiguous() && sm.numel() == blocks * (k / group) * 32,
+              "q4v_gemm: fp16 scales and mins [ceil(N / 16), K / G, 2, 16]");
+  auto xf = x.to(at::kFloat).contiguous();
+  const XParts xp = x_parts(xf.data_ptr<float>(), m, k, group);
+  const int32_t* cp = codes.data_ptr<int32_t>();
+  const Half* sp = sm.data_ptr<Half>();
+  if (residual.has_value()) {
+    const at::Tensor& res = *residual;
+    TORCH_CHECK(res.dim() == 2 && res.size(0) == m && res.size(1) == n, "q4v_gemm: residual [M, N]");
+    auto rc = res.contiguous();
+    auto out = at::empty_like(rc);
+    KVT_DISPATCH_FLOAT(x.scalar_type(), "q4v_gemm", [&] {
+      using X = scalar_t;
+      KVT_DISPATCH_FLOAT(rc.scalar_type(), "q4v_gemm", [&] {
+        q4v_rows<X, scalar_t>(xp, cp, sp, nullptr, rc.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), m, n, k, group);
+      });
+    });
+    return out;
+  }
+  auto y = at::empty({m, n}, x.options());
+  KVT_DISPATCH_FLOAT(x.scalar_type(), "q4v_gemm", [&] {
+    q4v_rows<scalar_t, float>(xp, cp, sp, y.data_ptr<scalar_t>(), nullptr, nullptr, m, n, k, group);
+  });
+  return y;
+#else
+  TORCH_CHECK(false, "q4v_gemm: built without AVX512-VNNI");
+#endif
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -485,4 +665,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("kv_store", &kv_store, "K/V rows into a plain page pool layer");
   m.def("paged_decode", &paged_decode, "one-row-per-sequence attention over paged K/V");
   m.def("silu_mul", &silu_mul, "silu(gu[:, :I]) * gu[:, I:]");
+  m.def("q4v_gemm", &q4v_gemm, "x @ W^T over 4-bit q4v codes (AVX512-VNNI) (+ residual)");
+  m.def("q4v_supported", &q4v_supported, "whether q4v_gemm was built (AVX512-VNNI)");
 }
