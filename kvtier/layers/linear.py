@@ -8,7 +8,8 @@ bytes of bf16 and measured 2.5x faster at one row. `enable_int4_gemv()` keeps
 group-wise int4 instead (`_weight_int4pack_mm_for_cpu`, a quarter of the
 bytes), used where the checkpoint's tensor is already 4-bit (GGUF Q4_*), so
 nothing is lost that the file had; on AVX512-VNNI CPUs it is held in the layout of
-kernels/cpu_ops.py's q4v kernel (layers/qlinear.py Int4VNNI), else in torch's int4pack. Larger batches (prefill)
+kernels/cpu_ops.py's qv kernel (layers/qlinear.py VNNIWeight), else in torch's int4pack;
+there the int8 copy is per group of 32 (fp16 scales, qv kernel) instead of per row. Larger batches (prefill)
 keep the dense bf16 GEMM, which AMX makes far faster than the int8 kernel
 there (see docs/benchmarks.md for the crossover).
 """
@@ -18,7 +19,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kvtier.layers.qlinear import Int4VNNI
+from kvtier.layers.qlinear import VNNIWeight
+from kvtier.layers.qweight import quantize_rtn
 
 # Largest row count that takes the int8 weight-only kernel (measured crossover
 # on a 2-core Sapphire Rapids: int8 wins at 1-4 rows, bf16 AMX GEMM from 8).
@@ -85,13 +87,19 @@ class Linear(torch.nn.Module):
         self.register_buffer("qweight", None, persistent=False)  # int8 [out, in] (enable_int8_gemv)
         self.register_buffer("qscale", None, persistent=False)  # int8: [out]; int4: [in/group, out, 2]
         self.qgroup = 0  # int4 group size; 0 = the int8 copy (or none)
-        self.q4v: Int4VNNI | None = None  # the int4 copy in the VNNI kernel's layout (enable_int4_gemv)
+        self.qv: VNNIWeight | None = None  # the int4 / int8 copy in the VNNI kernel's layout
 
     def enable_int8_gemv(self) -> None:
         """Keep an int8 copy of the weight for small batches (see module doc)."""
         if not int8_gemv_supported(self.weight.device, self.weight.dtype):
             raise ValueError(f"int8 GEMV needs bf16 weights on CPU, not {self.weight.dtype} on "
                              f"{self.weight.device.type}")
+        k = self.weight.shape[1]
+        if VNNIWeight.supports(k, INT4_GROUP, 8):  # per group of 32, fp16 scales: finer than per row
+            packed = VNNIWeight.from_qweight(quantize_rtn(self.weight.data.float(), 8, INT4_GROUP))
+            if packed is not None:
+                self._hold(packed, 0)
+                return
         q, s = quantize_rows_int8(self.weight.data)
         self.qweight, self.qscale, self.qgroup = q, s, 0
 
@@ -100,15 +108,19 @@ class Linear(torch.nn.Module):
         if not int4_gemv_supported(self.weight.device, self.weight.dtype, self.weight.shape[1], group):
             raise ValueError(f"int4 GEMV needs bf16 weights on CPU with in_features % {group} == 0")
         q, sz = quantize_groups_int4(self.weight.data, group)
-        if Int4VNNI.supports(q.shape[1], group):  # the same codes and scales, multiplied by the VNNI kernel
+        if VNNIWeight.supports(q.shape[1], group, 4):  # the same codes and scales, multiplied by the VNNI kernel
             scale = sz[..., 0].t().float()
-            packed = Int4VNNI.build(tuple(q.shape), group, scale, sz[..., 1].t().float() - INT4_OFFSET * scale,
-                                    lambda r0, r1: q[r0:r1])
+            packed = VNNIWeight.build(tuple(q.shape), group, 4, scale, sz[..., 1].t().float() - INT4_OFFSET * scale,
+                                      lambda r0, r1: q[r0:r1])
             if packed is not None:
-                self.q4v, self.qweight, self.qscale, self.qgroup = packed, packed.codes, packed.sm, group
+                self._hold(packed, group)
                 return
         self.qweight = torch._convert_weight_to_int4pack_for_cpu(q, 1)  # uint8 [out, in / 2]
         self.qscale, self.qgroup = sz, group
+
+    def _hold(self, packed: VNNIWeight, group: int) -> None:
+        """Keep `packed` as the small-batch copy (its buffers also as qweight / qscale, for byte counts)."""
+        self.qv, self.qweight, self.qscale, self.qgroup = packed, packed.codes, packed.sm, group
 
     def _uses_quantized(self, x: torch.Tensor) -> bool:
         return self.qweight is not None and x.shape[0] <= INT8_GEMV_MAX_ROWS
@@ -116,8 +128,8 @@ class Linear(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [T, in] -> [T, out]"""
         if self._uses_quantized(x):
-            if self.q4v is not None:
-                y = self.q4v.gemv(x)
+            if self.qv is not None:
+                y = self.qv.gemv(x)
             elif self.qgroup:
                 y = torch._weight_int4pack_mm_for_cpu(x.contiguous(), self.qweight, self.qgroup, self.qscale)
             else:
@@ -131,8 +143,8 @@ class Linear(torch.nn.Module):
         On CUDA the sum is written into `residual` (the decoder's residual stream is not read
         again after this add). A residual of another dtype (the CPU fp32 stream, models/decoder.py)
         gets the product in its own dtype."""
-        if self.q4v is not None and self.bias is None and self._uses_quantized(x):
-            return self.q4v.gemv(x, residual)  # the add inside the kernel's call, in residual's dtype
+        if self.qv is not None and self.bias is None and self._uses_quantized(x):
+            return self.qv.gemv(x, residual)  # the add inside the kernel's call, in residual's dtype
         if residual.dtype != x.dtype:
             return residual + self.forward(x)
         if self._uses_quantized(x):

@@ -5,9 +5,10 @@ Where the weight lives decides how it is held and multiplied:
     CUDA           the QuantWeight itself; every batch size goes to
                    kvtier.kernels.wq_matmul.wq_linear (Triton: skinny / tiled / dequant+cuBLAS)
     CPU, bf16      repacked once at build time for torch's CPU kernels, and the QuantWeight freed:
-                     4-bit                 -> Int4VNNI: the codes with fp16 scale / min, multiplied
-                                              by kernels/cpu_ops.py's q4v_gemm (AVX512-VNNI CPUs);
-                                              else Int4PackCPU: torch's int4pack (w = (q - 8) s + z,
+                   AVX512-VNNI CPUs: every 4- and 8-bit matrix -> VNNIWeight: the codes as they are
+                                              with fp16 scale / min, kernels/cpu_ops.py's qv_gemm;
+                   elsewhere:
+                     4-bit, group 32..256  -> Int4PackCPU: torch's int4pack (w = (q - 8) s + z,
                                               bf16 s and z), `_weight_int4pack_mm_for_cpu`
                      8-bit (Q8_0, Q6_K, ..) -> Int8SplitCPU: the codes exactly, as two int4pack
                                               halves (groups of 16 re-rounded to 32 first)
@@ -56,10 +57,10 @@ REQUANT_ROWS = 1024
 # Smallest column scale of Int8RowsCPU (an all-zero column keeps a normal power of two).
 COL_SCALE_MIN = 2.0 ** -60
 PACK_ROWS = 16 * 64  # rows repacked to int4pack at once (a multiple of INT4PACK_BLOCK_N)
-# The q4v layout (Int4VNNI): output rows in blocks of 16 (one AVX-512 register of fp32 results).
+# The q4v / q8v layouts (VNNIWeight): output rows in blocks of 16 (one AVX-512 register of fp32 results).
 Q4V_BLOCK = 16
-NIBBLE_SHIFTS = 4 * torch.arange(8, dtype=torch.int32)  # column 8 j + i of a q4v word: bits 4 i ..
-# Int4VNNI keeps scales / mins in fp16 when that rounds each no worse than bf16 would (2^-9
+INT8_CODE_OFFSET = 128  # 8-bit codes are held as unsigned bytes (VNNI multiplies u8 x s8)
+# VNNIWeight keeps scales / mins in fp16 when that rounds each no worse than bf16 would (2^-9
 # relative); a matrix with values outside fp16's range keeps Int4PackCPU.
 FP16_SCALE_RTOL = 2.0 ** -9
 
@@ -174,64 +175,78 @@ class Int4PackCPU(PackedWeight):
         return out
 
 
-class Int4VNNI(PackedWeight):
-    """4-bit codes in the q4v layout of kernels/csrc/cpu_ops.cpp, multiplied by its AVX512-VNNI
-    kernel (`q4v_gemm`): w = q * scale + min with the codes as the file has them and scale / min
-    in fp16 per group (GGUF's Q4_0 / Q4_1 keep theirs in fp16: exact; bf16 in Int4PackCPU):
+class VNNIWeight(PackedWeight):
+    """4- or 8-bit codes in the q4v / q8v layouts of kernels/csrc/cpu_ops.cpp, multiplied by its
+    AVX512-VNNI kernel (`qv_gemm`): w = u * scale + min with u the codes as the file has them
+    (8-bit codes shifted by 128 to 0..255, min adjusted) and scale / min in fp16 per group (GGUF
+    keeps Q4_0 / Q4_1 / Q8_0 scales in fp16: exact; Int4PackCPU / Int8SplitCPU round to bf16):
 
-        codes  int32 [Nb, K / 8, 16]     lane r of word (b, j): row 16 b + r, columns 8 j .. 8 j + 7
+        codes  int32 [Nb, K / W, 16]     lane r of word (b, j): row 16 b + r, columns W j .. W j + W - 1,
+                                         column W j + i in bits B i .. B i + B - 1   (W = 32 / B)
         sm     fp16  [Nb, K / G, 2, 16]  (scale, min) of each row's group;  Nb = ceil(N / 16)
 
-    The kernel reads a code as a byte in an integer dot product (no fp32 conversion per weight,
-    which bounds torch's int4pack kernel): 14 vs 27 us for [3072, 576] at one row."""
+    The kernel reads each code as a byte of an integer dot product with the activations in two
+    int8 parts (16-bit fixed point per group): no fp32 conversion per weight, which bounds
+    torch's int4pack kernel (14 vs 27 us for a 4-bit [3072, 576] at one row), and 8-bit codes
+    are held and read once (1 byte + 1/8 for the scales), not as two int4 halves."""
 
     row_align = Q4V_BLOCK
 
-    def __init__(self, shape: tuple[int, int], group: int) -> None:
+    def __init__(self, shape: tuple[int, int], group: int, bits: int) -> None:
         super().__init__()
         n, k = shape
         nb = -(-n // Q4V_BLOCK)
-        self.shape, self.group = (n, k), group
-        self.register_buffer("codes", torch.zeros(nb, k // 8, Q4V_BLOCK, dtype=torch.int32), persistent=False)
+        self.shape, self.group, self.bits = (n, k), group, bits
+        self.per_word = 32 // bits
+        self.register_buffer("codes", torch.zeros(nb, k // self.per_word, Q4V_BLOCK, dtype=torch.int32),
+                             persistent=False)
         self.register_buffer("sm", torch.zeros(nb, k // group, 2, Q4V_BLOCK, dtype=torch.float16), persistent=False)
 
     @staticmethod
-    def supports(k: int, group: int) -> bool:
-        """Whether the q4v kernel is built here (AVX512-VNNI CPU) and takes this K / group."""
+    def supports(k: int, group: int, bits: int = 4) -> bool:
+        """Whether the kernel is built here (AVX512-VNNI CPU) and takes this K / group."""
         ops = cpu_ops.ops()
-        return ops is not None and ops.q4v_supported() and group % 8 == 0 and k % group == 0
+        return (bits in (4, 8) and ops is not None and ops.qv_supported() and group % (32 // bits) == 0
+                and k % group == 0)
 
     @classmethod
-    def build(cls, shape: tuple[int, int], group: int, scale: torch.Tensor, minv: torch.Tensor,
-              fill: "Callable[[int, int], torch.Tensor]") -> "Int4VNNI | None":
-        """scale, minv fp32 [N, K / G]; fill(r0, r1) -> codes [r1 - r0, K] (0..15) of those rows.
-        None when fp16 would hold a scale or min less precisely than bf16 does (out of its range)."""
+    def build(cls, shape: tuple[int, int], group: int, bits: int, scale: torch.Tensor, minv: torch.Tensor,
+              fill: Callable[[int, int], torch.Tensor]) -> "VNNIWeight | None":
+        """scale, minv fp32 [N, K / G]; fill(r0, r1) -> codes [r1 - r0, K] (0 .. 2^bits - 1) of those
+        rows. None when fp16 would hold a scale or min less precisely than bf16 does (out of its range)."""
         s16, m16 = scale.to(torch.float16), minv.to(torch.float16)
         for a, b in ((scale, s16), (minv, m16)):
             if not bool(((b.float() - a).abs() <= a.abs() * FP16_SCALE_RTOL).all()):
                 return None
-        out = cls(shape, group)
-        n, k = shape
-        for r0 in range(0, n, PACK_ROWS):
-            r1 = min(n, r0 + PACK_ROWS)
+        out = cls(shape, group, bits)
+        for r0 in range(0, shape[0], PACK_ROWS):
+            r1 = min(shape[0], r0 + PACK_ROWS)
             out._pack_rows(r0, fill(r0, r1), s16[r0:r1], m16[r0:r1])
         return out
 
     @classmethod
-    def from_qweight(cls, qw: QuantWeight) -> "Int4VNNI | None":
+    def from_qweight(cls, qw: QuantWeight) -> "VNNIWeight | None":
+        """A 4-bit (codes 0..15) or 8-bit (int8 codes, stored + 128) QuantWeight, codes untouched."""
         scale = qw.scales.float()
         minv = qw.mins.float() if qw.mins is not None else torch.zeros_like(scale)
-        return cls.build(qw.shape, qw.group, scale, minv, lambda r0, r1: unpack_int4(qw.qweight[r0:r1]))
+        if qw.bits == 4:
+            return cls.build(qw.shape, qw.group, 4, scale, minv, lambda r0, r1: unpack_int4(qw.qweight[r0:r1]))
+        return cls.build(qw.shape, qw.group, 8, scale, minv - INT8_CODE_OFFSET * scale,
+                         lambda r0, r1: qw.qweight[r0:r1].to(torch.int32) + INT8_CODE_OFFSET)
+
+    def _shifts(self) -> torch.Tensor:
+        return self.bits * torch.arange(self.per_word, dtype=torch.int64)
 
     def _pack_rows(self, r0: int, codes: torch.Tensor, scale: torch.Tensor, minv: torch.Tensor) -> None:
-        """codes [R, K] 0..15 of rows r0.. (r0 a multiple of 16), scale / minv fp16 [R, G]."""
+        """codes [R, K] of rows r0.. (r0 a multiple of 16), scale / minv fp16 [R, G]."""
         r, k = codes.shape
-        rp = -(-r // Q4V_BLOCK) * Q4V_BLOCK
-        q = torch.zeros(rp, k, dtype=torch.int32)
+        rp, pw = -(-r // Q4V_BLOCK) * Q4V_BLOCK, self.per_word
+        q = torch.zeros(rp, k, dtype=torch.int64)
         q[:r] = codes
-        words = (q.view(rp, k // 8, 8) << NIBBLE_SHIFTS).sum(-1, dtype=torch.int32)  # [Rp, K / 8]
+        words = (q.view(rp, k // pw, pw) << self._shifts()).sum(-1)  # [Rp, K / W], 0 .. 2^32 - 1
+        words = torch.where(words >= 2 ** 31, words - 2 ** 32, words).to(torch.int32)  # the same bits
         b0, nb = r0 // Q4V_BLOCK, rp // Q4V_BLOCK
-        self.codes[b0:b0 + nb] = words.view(nb, Q4V_BLOCK, k // 8).transpose(1, 2)
+        self.codes[b0:b0 + nb] = words.view(nb, Q4V_BLOCK, k // pw).transpose(1, 2)
         g = k // self.group
         sm = torch.zeros(rp, 2, g, dtype=torch.float16)
         sm[:r, 0], sm[:r, 1] = scale, minv
@@ -243,19 +258,19 @@ class Int4VNNI(PackedWeight):
         ops = cpu_ops.ops()
         if ops is None:  # switched off (cpu_ops.disabled): the reference, fp32 over the dense weight
             return self.gemv_reference(x, residual)
-        return ops.q4v_gemm(x, self.codes, self.sm, self.group, self.shape[0], residual)
+        return ops.qv_gemm(x, self.codes, self.sm, self.group, self.shape[0], self.bits, residual)
 
     def gemv_reference(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-        """What q4v_gemm computes, in PyTorch: x @ W^T in fp32 over the dequantized rows, rounded to x's dtype."""
+        """What qv_gemm computes, in PyTorch: x @ W^T in fp32 over the dequantized rows, rounded to x's dtype."""
         w = self._unpack(self.codes, self.sm, torch.float32)[:self.shape[0]]
         y = (x.float() @ w.t()).to(x.dtype)
         return y if residual is None else residual + y
 
     def _unpack(self, blocks: torch.Tensor, sm: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """blocks int32 [B, K / 8, 16], their sm [B, G, 2, 16] -> dense rows [B * 16, K] in dtype."""
+        """blocks int32 [B, K / W, 16], their sm [B, G, 2, 16] -> dense rows [B * 16, K] in dtype."""
         b, words, _ = blocks.shape
-        k = words * 8
-        q = (blocks.unsqueeze(-1) >> NIBBLE_SHIFTS) & 0xF  # [B, K / 8, 16, 8]
+        k = words * self.per_word
+        q = (blocks.unsqueeze(-1).long() >> self._shifts()) & ((1 << self.bits) - 1)  # [B, K / W, 16, W]
         q = q.permute(0, 2, 1, 3).reshape(b * Q4V_BLOCK, k // self.group, self.group)
         scale = sm[:, :, 0].permute(0, 2, 1).reshape(b * Q4V_BLOCK, -1, 1).float()
         minv = sm[:, :, 1].permute(0, 2, 1).reshape(b * Q4V_BLOCK, -1, 1).float()
@@ -471,8 +486,8 @@ def pack_for(qw: QuantWeight, dtype: torch.dtype, exact_codes: bool = False) -> 
         return QuantRef(qw)
     has_int4 = hasattr(torch, "_weight_int4pack_mm_for_cpu")
     has_int8 = hasattr(torch, "_weight_int8pack_mm")
-    if qw.bits == 4 and Int4VNNI.supports(qw.shape[1], qw.group):
-        packed = Int4VNNI.from_qweight(qw)
+    if VNNIWeight.supports(qw.shape[1], qw.group, qw.bits):  # every code as the file has it
+        packed = VNNIWeight.from_qweight(qw)
         if packed is not None:
             return packed
     if qw.bits == 4 and has_int4 and qw.group in INT4PACK_GROUPS:
@@ -503,7 +518,7 @@ class QuantLinear(torch.nn.Module):
             from kvtier.kernels.wq_matmul import wq_linear  # written alongside; CUDA only
             return wq_linear(x, self.weight.qw, self.bias, residual)
         small = x.shape[0] <= self.weight.gemv_max_rows
-        if small and residual is not None and self.bias is None and isinstance(self.weight, Int4VNNI):
+        if small and residual is not None and self.bias is None and isinstance(self.weight, VNNIWeight):
             return self.weight.gemv(x, residual)  # the residual add inside the kernel's call
         y = self.weight.gemv(x) if small else None
         if y is None:

@@ -145,19 +145,22 @@ def test_paged_decode_checks_its_tables(ops):
         ops.paged_decode(q, kc, vc, torch.tensor([[0, 1]]), torch.tensor([40]), 0.125, 1)
 
 
-def _q4_weight(n: int, k: int, group: int, seed: int):
+def _qweight(n: int, k: int, group: int, seed: int, bits: int = 4):
     from kvtier.layers.qweight import quantize_rtn
 
     g = torch.Generator().manual_seed(seed)
-    return quantize_rtn(torch.randn(n, k, generator=g) * 0.05 + 0.01, 4, group)  # fp16 scales and mins
+    return quantize_rtn(torch.randn(n, k, generator=g) * 0.05 + 0.01, bits, group)  # fp16 scales (and mins)
 
 
-@pytest.mark.parametrize("n,k,group", [(16, 64, 32), (40, 96, 32), (100, 128, 64), (300, 576, 32)])
-def test_int4_vnni_packing_round_trips(ops, n, k, group):
-    from kvtier.layers.qlinear import Int4VNNI
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("n,k,group", [(16, 64, 32), (40, 96, 32), (100, 128, 64), (300, 576, 32), (40, 64, 16)])
+def test_vnni_packing_round_trips(ops, bits, n, k, group):
+    from kvtier.layers.qlinear import VNNIWeight
 
-    qw = _q4_weight(n, k, group, n)
-    packed = Int4VNNI.from_qweight(qw)
+    if bits == 4 and group % 8:
+        pytest.skip("4-bit words hold 8 columns")
+    qw = _qweight(n, k, group, n, bits)
+    packed = VNNIWeight.from_qweight(qw)
     assert packed is not None
     dense = qw.dequantize()
     out = torch.empty(n - 16, k)
@@ -167,15 +170,18 @@ def test_int4_vnni_packing_round_trips(ops, n, k, group):
     assert torch.equal(packed.rows(idx, torch.float32), dense[idx])
 
 
+@pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 64])
-@pytest.mark.parametrize("n,k,group", [(40, 96, 32), (300, 576, 32), (100, 128, 64)])
-def test_q4v_gemm_matches_the_dequantized_matmul(ops, x_dtype, m, n, k, group):
-    from kvtier.layers.qlinear import Int4VNNI
+@pytest.mark.parametrize("n,k,group", [(40, 96, 32), (300, 576, 32), (100, 128, 64), (24, 64, 16)])
+def test_qv_gemm_matches_the_dequantized_matmul(ops, bits, x_dtype, m, n, k, group):
+    from kvtier.layers.qlinear import VNNIWeight
 
-    if not ops.q4v_supported():
+    if not ops.qv_supported():
         pytest.skip("this CPU has no AVX512-VNNI")
-    packed = Int4VNNI.from_qweight(_q4_weight(n, k, group, m + n))
+    if bits == 4 and group % 8:
+        pytest.skip("4-bit words hold 8 columns")
+    packed = VNNIWeight.from_qweight(_qweight(n, k, group, m + n, bits))
     g = torch.Generator().manual_seed(m)
     x = (torch.randn(m, k, generator=g) * 3).to(x_dtype)
     x[0, :group] *= 1e-3  # a group far below the others: its own activation scale

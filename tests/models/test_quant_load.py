@@ -13,7 +13,7 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
 
-from kvtier.layers.qlinear import FusedParts, Int4PackCPU, Int4VNNI, Int8RowsCPU, Int8SplitCPU, QuantLinear, QuantRef
+from kvtier.layers.qlinear import FusedParts, Int4PackCPU, Int8RowsCPU, Int8SplitCPU, QuantLinear, QuantRef, VNNIWeight
 from kvtier.layers.qweight import QuantWeight, quantize_rtn
 from kvtier.models.decoder import Decoder
 from kvtier.models.loading import load_checkpoint
@@ -49,13 +49,17 @@ def test_stored_gguf_equals_dense(tmp_path: Path, arch: str, qtype: Q) -> None:
     torch.testing.assert_close(logits(net), logits(ref), rtol=1e-4, atol=1e-4)
 
 
-# 4-bit matrices on CPU: the VNNI kernel's layout where this CPU runs it, else torch's int4pack
-FOUR_BIT = Int4VNNI if Int4VNNI.supports(64, 32) else Int4PackCPU
+# CPU packings: every 4- and 8-bit matrix in the VNNI kernel's layout where this CPU runs it;
+# elsewhere torch's int4pack, 8-bit codes split in two int4pack halves, 5-bit codes per-row int8
+VNNI = VNNIWeight.supports(64, 32)
+FOUR_BIT = VNNIWeight if VNNI else Int4PackCPU
+EIGHT_BIT = VNNIWeight if VNNI else Int8SplitCPU
+FIVE_BIT = VNNIWeight if VNNI else Int8RowsCPU
 
 
 def test_stored_gguf_bf16_cpu_packings(tmp_path: Path) -> None:
-    """bf16 on CPU: 4-bit matmuls as FOUR_BIT, 8-bit codes split into two int4pack halves, 5-bit codes
-    (Q5_0) as per-row int8; one copy."""
+    """bf16 on CPU: 4-bit matmuls as FOUR_BIT, 8-bit codes as EIGHT_BIT, 5-bit codes (Q5_0) as
+    FIVE_BIT; one copy."""
     model, cfg = tiny_hf_model("qwen2")
     sd = model.state_dict()
     path = write_gguf(tmp_path / "m.gguf", "qwen2", cfg, sd, qtype=Q.Q4_1)
@@ -68,9 +72,9 @@ def test_stored_gguf_bf16_cpu_packings(tmp_path: Path) -> None:
     net = Decoder.from_tensors(stored.spec, stored.tensors, torch.bfloat16, "cpu", consume=True)
     assert isinstance(net.layers[1].qkv.weight, FOUR_BIT)
     assert isinstance(net.layers[0].qkv, FusedParts)  # q, k 4-bit fused; v 8-bit on its own
-    assert [type(p.weight) for p in net.layers[0].qkv.parts] == [FOUR_BIT, Int8SplitCPU]
-    assert isinstance(net.layers[1].mlp.down.weight, Int8RowsCPU)
-    assert isinstance(net.head.weight, Int8SplitCPU)
+    assert [type(p.weight) for p in net.layers[0].qkv.parts] == [FOUR_BIT, EIGHT_BIT]
+    assert isinstance(net.layers[1].mlp.down.weight, FIVE_BIT)
+    assert isinstance(net.head.weight, EIGHT_BIT)
     ref = Decoder.from_tensors(stored.spec, dense, torch.float32, "cpu")
     got, want = logits(net), logits(ref)
     assert float((got - want).abs().max()) < 0.05 * float(want.abs().max())
@@ -118,10 +122,13 @@ def test_int4pack_rows_match_torch_packer() -> None:
 
 QUANT_CASES = {  # name -> (QuantWeight of w [200, 160], packing it gets on CPU bf16)
     "int4": (lambda w: quantize_rtn(w, 4, 32), FOUR_BIT),
-    "int4pack": (lambda w: quantize_rtn(w, 4, 32), Int4PackCPU),  # where the VNNI kernel is not built
-    "int8": (lambda w: quantize_rtn(w, 8, 32), Int8SplitCPU),
-    "int8-group16": (lambda w: quantize_rtn(w, 8, 16), Int8SplitCPU),
-    "5-bit": (five_bit, Int8RowsCPU),
+    "int8": (lambda w: quantize_rtn(w, 8, 32), EIGHT_BIT),
+    "int8-group16": (lambda w: quantize_rtn(w, 8, 16), EIGHT_BIT),
+    "5-bit": (five_bit, FIVE_BIT),
+    # the packings of CPUs without AVX512-VNNI (VNNIWeight.supports patched off)
+    "int4pack": (lambda w: quantize_rtn(w, 4, 32), Int4PackCPU),
+    "int8-split": (lambda w: quantize_rtn(w, 8, 32), Int8SplitCPU),
+    "5-bit-rows": (five_bit, Int8RowsCPU),
 }
 
 
@@ -137,8 +144,8 @@ def test_quant_linear_cpu_matches_dequantized(rows: int, case: str, monkeypatch)
     w = torch.randn(200, 160, generator=g) * 0.05
     w[:, 7] *= 30  # an outlier input column, as Qwen's
     make, packing = QUANT_CASES[case]
-    if packing is Int4PackCPU:
-        monkeypatch.setattr(ql.Int4VNNI, "supports", staticmethod(lambda k, group: False))
+    if packing is not VNNIWeight:
+        monkeypatch.setattr(ql.VNNIWeight, "supports", staticmethod(lambda k, group, bits=4: False))
     qw = make(w)
     bias = torch.randn(200, generator=g)
     lin = QuantLinear(qw, bias, torch.bfloat16)

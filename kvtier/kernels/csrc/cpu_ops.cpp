@@ -495,14 +495,20 @@ at::Tensor silu_mul(const at::Tensor& gu) {
 // activation parts are laid out to match (x_parts). Output rounded to x's dtype, or with
 // `residual` [M, N]: residual + that rounded value, in the residual's dtype (the fused add).
 struct XParts {
-  std::vector<uint32_t> hi_even, hi_odd, lo_even, lo_odd;  // [M, K / 8]: 4 int8 per word
-  std::vector<float> scale, sum;                            // [M, K / G]
+  // q4v: [M, K / 8] words of 4 int8 each, the even (0, 2, 4, 6) and odd columns of each 8;
+  // q8v: hi_even / lo_even hold [M, K / 4] words of 4 consecutive columns, the odd ones unused
+  std::vector<uint32_t> hi_even, hi_odd, lo_even, lo_odd;
+  std::vector<float> scale, sum;  // [M, K / G]
 };
 
-XParts x_parts(const float* x, int64_t m, int64_t k, int64_t group) {
+// x fp32 [M, K] -> its int8 parts per group of `group` columns (see the q4v / q8v comments).
+XParts x_parts(const float* x, int64_t m, int64_t k, int64_t group, bool interleaved) {
   XParts p;
-  const int64_t words = k / 8, groups = k / group;
-  for (auto* v : {&p.hi_even, &p.hi_odd, &p.lo_even, &p.lo_odd}) v->assign(m * words, 0);
+  const int64_t groups = k / group, words = interleaved ? k / 8 : k / 4;
+  for (auto* v : {&p.hi_even, &p.lo_even}) v->assign(m * words, 0);
+  if (interleaved) {
+    for (auto* v : {&p.hi_odd, &p.lo_odd}) v->assign(m * words, 0);
+  }
   p.scale.assign(m * groups, 0.f);
   p.sum.assign(m * groups, 0.f);
   std::vector<int8_t> hi(k), lo(k);
@@ -525,27 +531,32 @@ XParts x_parts(const float* x, int64_t m, int64_t k, int64_t group) {
       p.scale[r * groups + g] = s;
       p.sum[r * groups + g] = sum;
     }
+    auto word = [](const std::vector<int8_t>& v, int64_t first, int64_t step) {
+      uint32_t w = 0;
+      for (int i = 0; i < 4; ++i) w |= static_cast<uint32_t>(static_cast<uint8_t>(v[first + step * i])) << (8 * i);
+      return w;
+    };
     for (int64_t j = 0; j < words; ++j) {
-      auto pack = [&](const std::vector<int8_t>& v, int first) {
-        uint32_t w = 0;
-        for (int i = 0; i < 4; ++i) w |= static_cast<uint32_t>(static_cast<uint8_t>(v[8 * j + first + 2 * i])) << (8 * i);
-        return w;
-      };
-      p.hi_even[r * words + j] = pack(hi, 0);
-      p.hi_odd[r * words + j] = pack(hi, 1);
-      p.lo_even[r * words + j] = pack(lo, 0);
-      p.lo_odd[r * words + j] = pack(lo, 1);
+      if (interleaved) {
+        p.hi_even[r * words + j] = word(hi, 8 * j, 2);
+        p.hi_odd[r * words + j] = word(hi, 8 * j + 1, 2);
+        p.lo_even[r * words + j] = word(lo, 8 * j, 2);
+        p.lo_odd[r * words + j] = word(lo, 8 * j + 1, 2);
+      } else {
+        p.hi_even[r * words + j] = word(hi, 4 * j, 1);
+        p.lo_even[r * words + j] = word(lo, 4 * j, 1);
+      }
     }
   }
   return p;
 }
 
 #if defined(__AVX512F__) && defined(__AVX512VNNI__)
-// One 16-row block of W against MR rows of x (m0 ..), the codes unpacked once for all MR rows;
-// the group sums of the MR rows -> rows_out [MR, 16].
-template <int MR>
-inline void q4v_block(const XParts& xp, const int32_t* blk, const Half* smb, int64_t m0, int64_t words,
-                      int64_t groups, int64_t wpg, float* rows_out) {
+// One 16-row block of W against MR rows of x (m0 ..), each word of codes loaded (and, 4-bit,
+// unpacked) once for all MR rows; the group sums of the MR rows -> rows_out [MR, 16].
+template <int BITS, int MR>
+inline void qv_block(const XParts& xp, const int32_t* blk, const Half* smb, int64_t m0, int64_t words,
+                     int64_t groups, int64_t wpg, float* rows_out) {
   const __m512i nib = _mm512_set1_epi32(0x0F0F0F0F);
   __m512 acc[MR];
   for (int i = 0; i < MR; ++i) acc[i] = _mm512_setzero_ps();
@@ -554,14 +565,22 @@ inline void q4v_block(const XParts& xp, const int32_t* blk, const Half* smb, int
     for (int i = 0; i < MR; ++i) ah[i] = al[i] = _mm512_setzero_si512();
     for (int64_t j = g * wpg; j < (g + 1) * wpg; ++j) {
       const __m512i w = _mm512_loadu_si512(blk + j * 16);
-      const __m512i even = _mm512_and_si512(w, nib);
-      const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(w, 4), nib);
-      for (int i = 0; i < MR; ++i) {
-        const int64_t o = (m0 + i) * words + j;
-        ah[i] = _mm512_dpbusd_epi32(ah[i], even, _mm512_set1_epi32(static_cast<int32_t>(xp.hi_even[o])));
-        ah[i] = _mm512_dpbusd_epi32(ah[i], odd, _mm512_set1_epi32(static_cast<int32_t>(xp.hi_odd[o])));
-        al[i] = _mm512_dpbusd_epi32(al[i], even, _mm512_set1_epi32(static_cast<int32_t>(xp.lo_even[o])));
-        al[i] = _mm512_dpbusd_epi32(al[i], odd, _mm512_set1_epi32(static_cast<int32_t>(xp.lo_odd[o])));
+      if constexpr (BITS == 4) {
+        const __m512i even = _mm512_and_si512(w, nib);
+        const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(w, 4), nib);
+        for (int i = 0; i < MR; ++i) {
+          const int64_t o = (m0 + i) * words + j;
+          ah[i] = _mm512_dpbusd_epi32(ah[i], even, _mm512_set1_epi32(static_cast<int32_t>(xp.hi_even[o])));
+          ah[i] = _mm512_dpbusd_epi32(ah[i], odd, _mm512_set1_epi32(static_cast<int32_t>(xp.hi_odd[o])));
+          al[i] = _mm512_dpbusd_epi32(al[i], even, _mm512_set1_epi32(static_cast<int32_t>(xp.lo_even[o])));
+          al[i] = _mm512_dpbusd_epi32(al[i], odd, _mm512_set1_epi32(static_cast<int32_t>(xp.lo_odd[o])));
+        }
+      } else {
+        for (int i = 0; i < MR; ++i) {
+          const int64_t o = (m0 + i) * words + j;
+          ah[i] = _mm512_dpbusd_epi32(ah[i], w, _mm512_set1_epi32(static_cast<int32_t>(xp.hi_even[o])));
+          al[i] = _mm512_dpbusd_epi32(al[i], w, _mm512_set1_epi32(static_cast<int32_t>(xp.lo_even[o])));
+        }
       }
     }
     const __m512 scale = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(smb + g * 32)));
@@ -577,10 +596,11 @@ inline void q4v_block(const XParts& xp, const int32_t* blk, const Half* smb, int
   for (int i = 0; i < MR; ++i) _mm512_storeu_ps(rows_out + 16 * i, acc[i]);
 }
 
-template <typename X, typename R>
-void q4v_rows(const XParts& xp, const int32_t* codes, const Half* sm, X* y, const R* res, R* out, int64_t m_rows,
-              int64_t n, int64_t k, int64_t group) {
-  const int64_t blocks = (n + 15) / 16, words = k / 8, groups = k / group, wpg = group / 8;
+template <int BITS, typename X, typename R>
+void qv_rows(const XParts& xp, const int32_t* codes, const Half* sm, X* y, const R* res, R* out, int64_t m_rows,
+             int64_t n, int64_t k, int64_t group) {
+  const int64_t per_word = 32 / BITS;
+  const int64_t blocks = (n + 15) / 16, words = k / per_word, groups = k / group, wpg = group / per_word;
   at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
     alignas(64) float rows[4 * 16];
     for (int64_t b = b0; b < b1; ++b) {
@@ -590,9 +610,9 @@ void q4v_rows(const XParts& xp, const int32_t* codes, const Half* sm, X* y, cons
       for (int64_t m0 = 0; m0 < m_rows;) {
         const int64_t left = m_rows - m0;
         const int mr = left >= 4 ? 4 : left >= 2 ? 2 : 1;
-        if (mr == 4) q4v_block<4>(xp, blk, smb, m0, words, groups, wpg, rows);
-        else if (mr == 2) q4v_block<2>(xp, blk, smb, m0, words, groups, wpg, rows);
-        else q4v_block<1>(xp, blk, smb, m0, words, groups, wpg, rows);
+        if (mr == 4) qv_block<BITS, 4>(xp, blk, smb, m0, words, groups, wpg, rows);
+        else if (mr == 2) qv_block<BITS, 2>(xp, blk, smb, m0, words, groups, wpg, rows);
+        else qv_block<BITS, 1>(xp, blk, smb, m0, words, groups, wpg, rows);
         for (int i = 0; i < mr; ++i) {
           const int64_t base = (m0 + i) * n + b * 16;
           for (int64_t r = 0; r < valid; ++r) {
@@ -611,7 +631,7 @@ void q4v_rows(const XParts& xp, const int32_t* codes, const Half* sm, X* y, cons
 }
 #endif
 
-bool q4v_supported() {
+bool qv_supported() {
 #if defined(__AVX512F__) && defined(__AVX512VNNI__)
   return true;
 #else
@@ -619,41 +639,54 @@ bool q4v_supported() {
 #endif
 }
 
-at::Tensor q4v_gemm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& sm, int64_t group, int64_t n,
-                    const c10::optional<at::Tensor>& residual) {
+// x [M, K] @ W^T with W in the q4v (bits 4) or q8v (bits 8) layout: see the comment above XParts.
+at::Tensor qv_gemm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& sm, int64_t group, int64_t n,
+                   int64_t bits, const c10::optional<at::Tensor>& residual) {
 #if defined(__AVX512F__) && defined(__AVX512VNNI__)
   check_cpu(x, "x");
-  TORCH_CHECK(x.dim() == 2, "q4v_gemm: x [M, K]");
-  const int64_t m = x.size(0), k = x.size(1), blocks = (n + 15) / 16;
-  TORCH_CHECK(group > 0 && group % 8 == 0 && k % group == 0, "q4v_gemm: groups of a multiple of 8 columns tiling K");
-  TORCH_CHECK(codes.scalar_type() == at::kInt && codes.is_contiguous() && codes.numel() == blocks * (k / 8) * 16,
-              "q4v_gemm: int32 codes [ceil(N / 16), K / 8, 16]");
+  TORCH_CHECK(bits == 4 || bits == 8, "qv_gemm: 4- or 8-bit codes");
+  TORCH_CHECK(x.dim() == 2, "qv_gemm: x [M, K]");
+  const int64_t m = x.size(0), k = x.size(1), blocks = (n + 15) / 16, per_word = 32 / bits;
+  TORCH_CHECK(group > 0 && group % per_word == 0 && k % group == 0,
+              "qv_gemm: groups of a multiple of ", per_word, " columns tiling K");
+  TORCH_CHECK(codes.scalar_type() == at::kInt && codes.is_contiguous() && codes.numel() == blocks * (k / per_word) * 16,
+              "qv_gemm: int32 codes [ceil(N / 16), K / ", per_word, ", 16]");
   TORCH_CHECK(sm.scalar_type() == at::kHalf && sm.is_contiguous() && sm.numel() == blocks * (k / group) * 32,
-              "q4v_gemm: fp16 scales and mins [ceil(N / 16), K / G, 2, 16]");
+              "qv_gemm: fp16 scales and mins [ceil(N / 16), K / G, 2, 16]");
   auto xf = x.to(at::kFloat).contiguous();
-  const XParts xp = x_parts(xf.data_ptr<float>(), m, k, group);
+  const XParts xp = x_parts(xf.data_ptr<float>(), m, k, group, bits == 4);
   const int32_t* cp = codes.data_ptr<int32_t>();
   const Half* sp = sm.data_ptr<Half>();
+  auto run = [&](auto bits_tag, auto* y, const auto* res, auto* out) {
+    constexpr int B = decltype(bits_tag)::value;
+    using X = std::remove_pointer_t<decltype(y)>;
+    using R = std::remove_const_t<std::remove_pointer_t<decltype(res)>>;
+    qv_rows<B, X, R>(xp, cp, sp, y, res, out, m, n, k, group);
+  };
+  auto dispatch_bits = [&](auto* y, const auto* res, auto* out) {
+    if (bits == 4) run(std::integral_constant<int, 4>{}, y, res, out);
+    else run(std::integral_constant<int, 8>{}, y, res, out);
+  };
   if (residual.has_value()) {
     const at::Tensor& res = *residual;
-    TORCH_CHECK(res.dim() == 2 && res.size(0) == m && res.size(1) == n, "q4v_gemm: residual [M, N]");
+    TORCH_CHECK(res.dim() == 2 && res.size(0) == m && res.size(1) == n, "qv_gemm: residual [M, N]");
     auto rc = res.contiguous();
     auto out = at::empty_like(rc);
-    KVT_DISPATCH_FLOAT(x.scalar_type(), "q4v_gemm", [&] {
+    KVT_DISPATCH_FLOAT(x.scalar_type(), "qv_gemm", [&] {
       using X = scalar_t;
-      KVT_DISPATCH_FLOAT(rc.scalar_type(), "q4v_gemm", [&] {
-        q4v_rows<X, scalar_t>(xp, cp, sp, nullptr, rc.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), m, n, k, group);
+      KVT_DISPATCH_FLOAT(rc.scalar_type(), "qv_gemm", [&] {
+        dispatch_bits(static_cast<X*>(nullptr), rc.data_ptr<scalar_t>(), out.data_ptr<scalar_t>());
       });
     });
     return out;
   }
   auto y = at::empty({m, n}, x.options());
-  KVT_DISPATCH_FLOAT(x.scalar_type(), "q4v_gemm", [&] {
-    q4v_rows<scalar_t, float>(xp, cp, sp, y.data_ptr<scalar_t>(), nullptr, nullptr, m, n, k, group);
+  KVT_DISPATCH_FLOAT(x.scalar_type(), "qv_gemm", [&] {
+    dispatch_bits(y.data_ptr<scalar_t>(), static_cast<const float*>(nullptr), static_cast<float*>(nullptr));
   });
   return y;
 #else
-  TORCH_CHECK(false, "q4v_gemm: built without AVX512-VNNI");
+  TORCH_CHECK(false, "qv_gemm: built without AVX512-VNNI");
 #endif
 }
 
@@ -665,6 +698,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("kv_store", &kv_store, "K/V rows into a plain page pool layer");
   m.def("paged_decode", &paged_decode, "one-row-per-sequence attention over paged K/V");
   m.def("silu_mul", &silu_mul, "silu(gu[:, :I]) * gu[:, I:]");
-  m.def("q4v_gemm", &q4v_gemm, "x @ W^T over 4-bit q4v codes (AVX512-VNNI) (+ residual)");
-  m.def("q4v_supported", &q4v_supported, "whether q4v_gemm was built (AVX512-VNNI)");
+  m.def("qv_gemm", &qv_gemm, "x @ W^T over 4-bit q4v / 8-bit q8v codes (AVX512-VNNI) (+ residual)");
+  m.def("qv_supported", &qv_supported, "whether qv_gemm was built (AVX512-VNNI)");
 }
