@@ -60,6 +60,7 @@ PACK_ROWS = 16 * 64  # rows repacked to int4pack at once (a multiple of INT4PACK
 # The q4v / q8v layouts (VNNIWeight): output rows in blocks of 16 (one AVX-512 register of fp32 results).
 Q4V_BLOCK = 16
 INT8_CODE_OFFSET = 128  # 8-bit codes are held as unsigned bytes (VNNI multiplies u8 x s8)
+INT5_CODE_OFFSET = 16  # 5-bit codes (GGUF Q5_0: -16..15) as 0..31
 # VNNIWeight keeps scales / mins in fp16 when that rounds each no worse than bf16 would (2^-9
 # relative); a matrix with values outside fp16's range keeps Int4PackCPU.
 FP16_SCALE_RTOL = 2.0 ** -9
@@ -197,8 +198,11 @@ class VNNIWeight(PackedWeight):
         n, k = shape
         nb = -(-n // Q4V_BLOCK)
         self.shape, self.group, self.bits = (n, k), group, bits
-        self.per_word = 32 // bits
+        self.per_word = 4 if bits == 8 else 8  # 5-bit: the low four bits as 4-bit words
         self.register_buffer("codes", torch.zeros(nb, k // self.per_word, Q4V_BLOCK, dtype=torch.int32),
+                             persistent=False)
+        # 5-bit: the fifth bits, one int32 per lane and 32 columns (kernels/csrc/cpu_ops.cpp qv_gemm)
+        self.register_buffer("hbits", torch.zeros(nb, k // 32, Q4V_BLOCK, dtype=torch.int32) if bits == 5 else None,
                              persistent=False)
         self.register_buffer("sm", torch.zeros(nb, k // group, 2, Q4V_BLOCK, dtype=torch.float16), persistent=False)
 
@@ -206,8 +210,8 @@ class VNNIWeight(PackedWeight):
     def supports(k: int, group: int, bits: int = 4) -> bool:
         """Whether the kernel is built here (AVX512-VNNI CPU) and takes this K / group."""
         ops = cpu_ops.ops()
-        return (bits in (4, 8) and ops is not None and ops.qv_supported() and group % (32 // bits) == 0
-                and k % group == 0)
+        need = {4: 8, 5: 32, 8: 4}.get(bits)
+        return need is not None and ops is not None and ops.qv_supported() and group % need == 0 and k % group == 0
 
     @classmethod
     def build(cls, shape: tuple[int, int], group: int, bits: int, scale: torch.Tensor, minv: torch.Tensor,
@@ -231,11 +235,18 @@ class VNNIWeight(PackedWeight):
         minv = qw.mins.float() if qw.mins is not None else torch.zeros_like(scale)
         if qw.bits == 4:
             return cls.build(qw.shape, qw.group, 4, scale, minv, lambda r0, r1: unpack_int4(qw.qweight[r0:r1]))
-        return cls.build(qw.shape, qw.group, 8, scale, minv - INT8_CODE_OFFSET * scale,
-                         lambda r0, r1: qw.qweight[r0:r1].to(torch.int32) + INT8_CODE_OFFSET)
+        bits, offset = (5, INT5_CODE_OFFSET) if qw.group % 32 == 0 and fits_5_bits(qw) else (8, INT8_CODE_OFFSET)
+        return cls.build(qw.shape, qw.group, bits, scale, minv - offset * scale,
+                         lambda r0, r1: qw.qweight[r0:r1].to(torch.int32) + offset)
+
+    @classmethod
+    def for_qweight(cls, qw: QuantWeight) -> "VNNIWeight | None":
+        """from_qweight where this CPU runs the kernel for qw's shape and codes, else None."""
+        bits = 5 if qw.bits == 8 and qw.group % 32 == 0 and fits_5_bits(qw) else qw.bits
+        return cls.from_qweight(qw) if cls.supports(qw.shape[1], qw.group, bits) else None
 
     def _shifts(self) -> torch.Tensor:
-        return self.bits * torch.arange(self.per_word, dtype=torch.int64)
+        return (32 // self.per_word) * torch.arange(self.per_word, dtype=torch.int64)
 
     def _pack_rows(self, r0: int, codes: torch.Tensor, scale: torch.Tensor, minv: torch.Tensor) -> None:
         """codes [R, K] of rows r0.. (r0 a multiple of 16), scale / minv fp16 [R, G]."""
@@ -243,9 +254,12 @@ class VNNIWeight(PackedWeight):
         rp, pw = -(-r // Q4V_BLOCK) * Q4V_BLOCK, self.per_word
         q = torch.zeros(rp, k, dtype=torch.int64)
         q[:r] = codes
-        words = (q.view(rp, k // pw, pw) << self._shifts()).sum(-1)  # [Rp, K / W], 0 .. 2^32 - 1
-        words = torch.where(words >= 2 ** 31, words - 2 ** 32, words).to(torch.int32)  # the same bits
         b0, nb = r0 // Q4V_BLOCK, rp // Q4V_BLOCK
+        if self.bits == 5:  # bit 8 i + 2 t + p of word c <- the fifth bit of column 32 c + 8 t + 2 i + p
+            high = (q >> 4).view(rp, k // 32, 4, 4, 2).permute(0, 1, 3, 2, 4).reshape(rp, k // 32, 32)
+            self.hbits[b0:b0 + nb] = _words(high, 1).view(nb, Q4V_BLOCK, k // 32).transpose(1, 2)
+            q = q & 0xF
+        words = _words(q.view(rp, k // pw, pw), 32 // pw)  # [Rp, K / W]
         self.codes[b0:b0 + nb] = words.view(nb, Q4V_BLOCK, k // pw).transpose(1, 2)
         g = k // self.group
         sm = torch.zeros(rp, 2, g, dtype=torch.float16)
@@ -258,20 +272,33 @@ class VNNIWeight(PackedWeight):
         ops = cpu_ops.ops()
         if ops is None:  # switched off (cpu_ops.disabled): the reference, fp32 over the dense weight
             return self.gemv_reference(x, residual)
-        return ops.qv_gemm(x, self.codes, self.sm, self.group, self.shape[0], self.bits, residual)
+        return ops.qv_gemm(x, self.codes, self.hbits, self.sm, self.group, self.shape[0], self.bits, residual)
 
     def gemv_reference(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         """What qv_gemm computes, in PyTorch: x @ W^T in fp32 over the dequantized rows, rounded to x's dtype."""
-        w = self._unpack(self.codes, self.sm, torch.float32)[:self.shape[0]]
+        w = self._unpack(self.codes, self.hbits, self.sm, torch.float32)[:self.shape[0]]
         y = (x.float() @ w.t()).to(x.dtype)
         return y if residual is None else residual + y
 
-    def _unpack(self, blocks: torch.Tensor, sm: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """blocks int32 [B, K / W, 16], their sm [B, G, 2, 16] -> dense rows [B * 16, K] in dtype."""
+    def _codes_of(self, words: torch.Tensor, high: torch.Tensor | None) -> torch.Tensor:
+        """words int32 [..., K / W] (and 5-bit: high [..., K / 32]) -> codes int64 [..., K]."""
+        pw = self.per_word
+        q = (words.unsqueeze(-1).long() >> self._shifts()) & ((1 << (32 // pw)) - 1)
+        q = q.reshape(*words.shape[:-1], -1)
+        if high is not None:
+            bits = (high.unsqueeze(-1).long() >> torch.arange(32)) & 1  # [..., K / 32, 32] by bit position
+            bits = bits.view(*high.shape, 4, 4, 2).transpose(-3, -2)  # bit 8 i + 2 t + p -> column 8 t + 2 i + p
+            q = q | (bits.reshape(q.shape) << 4)
+        return q
+
+    def _unpack(self, blocks: torch.Tensor, high: torch.Tensor | None, sm: torch.Tensor,
+                dtype: torch.dtype) -> torch.Tensor:
+        """blocks int32 [B, K / W, 16] (5-bit: high [B, K / 32, 16]), their sm [B, G, 2, 16] -> dense
+        rows [B * 16, K] in dtype."""
         b, words, _ = blocks.shape
         k = words * self.per_word
-        q = (blocks.unsqueeze(-1).long() >> self._shifts()) & ((1 << self.bits) - 1)  # [B, K / W, 16, W]
-        q = q.permute(0, 2, 1, 3).reshape(b * Q4V_BLOCK, k // self.group, self.group)
+        q = self._codes_of(blocks.transpose(1, 2), None if high is None else high.transpose(1, 2))  # [B, 16, K]
+        q = q.reshape(b * Q4V_BLOCK, k // self.group, self.group)
         scale = sm[:, :, 0].permute(0, 2, 1).reshape(b * Q4V_BLOCK, -1, 1).float()
         minv = sm[:, :, 1].permute(0, 2, 1).reshape(b * Q4V_BLOCK, -1, 1).float()
         return torch.addcmul(minv, q.float(), scale).reshape(b * Q4V_BLOCK, k).to(dtype)
@@ -280,13 +307,24 @@ class VNNIWeight(PackedWeight):
         if r1 <= r0:
             return
         b0, b1 = r0 // Q4V_BLOCK, -(-r1 // Q4V_BLOCK)
-        rows = self._unpack(self.codes[b0:b1], self.sm[b0:b1], out.dtype)
+        rows = self._unpack(self.codes[b0:b1], None if self.hbits is None else self.hbits[b0:b1], self.sm[b0:b1],
+                            out.dtype)
         out.copy_(rows[r0 - b0 * Q4V_BLOCK:r1 - b0 * Q4V_BLOCK])
 
     def rows(self, idx: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Only the asked rows are unpacked (the lm_head's top candidates, a tied embedding's tokens)."""
         blocks, lanes = idx // Q4V_BLOCK, idx % Q4V_BLOCK
-        dense = self._unpack(self.codes[blocks], self.sm[blocks], dtype).view(idx.shape[0], Q4V_BLOCK, -1)
-        return dense[torch.arange(idx.shape[0]), lanes]
+        q = self._codes_of(self.codes[blocks, :, lanes], None if self.hbits is None else self.hbits[blocks, :, lanes])
+        sm = self.sm[blocks, :, :, lanes].float()  # [T, G, 2]
+        q = q.reshape(idx.shape[0], -1, self.group).float()
+        return torch.addcmul(sm[..., 1:], q, sm[..., :1]).reshape(idx.shape[0], -1).to(dtype)
+
+
+def _words(values: torch.Tensor, width: int) -> torch.Tensor:
+    """values int64 [..., W] of `width` bits each -> int32 [...]: value i at bits width * i (the
+    unsigned 32-bit word, held in int32)."""
+    w = (values << (width * torch.arange(values.shape[-1], dtype=torch.int64))).sum(-1)
+    return torch.where(w >= 2 ** 31, w - 2 ** 32, w).to(torch.int32)
 
 
 def unpack_int4(qweight: torch.Tensor) -> torch.Tensor:
@@ -486,10 +524,9 @@ def pack_for(qw: QuantWeight, dtype: torch.dtype, exact_codes: bool = False) -> 
         return QuantRef(qw)
     has_int4 = hasattr(torch, "_weight_int4pack_mm_for_cpu")
     has_int8 = hasattr(torch, "_weight_int8pack_mm")
-    if VNNIWeight.supports(qw.shape[1], qw.group, qw.bits):  # every code as the file has it
-        packed = VNNIWeight.from_qweight(qw)
-        if packed is not None:
-            return packed
+    packed = VNNIWeight.for_qweight(qw)  # every code as the file has it
+    if packed is not None:
+        return packed
     if qw.bits == 4 and has_int4 and qw.group in INT4PACK_GROUPS:
         return Int4PackCPU.from_qweight(qw, dtype)
     if qw.bits == 8 and has_int4 and (exact_codes or not fits_5_bits(qw) or not has_int8):

@@ -146,22 +146,33 @@ def test_paged_decode_checks_its_tables(ops):
 
 
 def _qweight(n: int, k: int, group: int, seed: int, bits: int = 4):
-    from kvtier.layers.qweight import quantize_rtn
+    """A QuantWeight with fp16 scales: 4-bit (with mins), 8-bit, or 5-bit (8-bit codes in -16..15, GGUF Q5_0's)."""
+    from kvtier.layers.qweight import QuantWeight, quantize_rtn
 
     g = torch.Generator().manual_seed(seed)
-    return quantize_rtn(torch.randn(n, k, generator=g) * 0.05 + 0.01, bits, group)  # fp16 scales (and mins)
+    w = torch.randn(n, k, generator=g) * 0.05 + 0.01
+    if bits != 5:
+        return quantize_rtn(w, bits, group)
+    grouped = w.reshape(n, k // group, group)
+    scale = (grouped.abs().amax(-1) / 16).half()
+    q = torch.round(grouped / scale.float()[..., None]).clamp_(-16, 15)
+    return QuantWeight(8, group, q.reshape(n, k).to(torch.int8), scale, None)
 
 
-@pytest.mark.parametrize("bits", [4, 8])
-@pytest.mark.parametrize("n,k,group", [(16, 64, 32), (40, 96, 32), (100, 128, 64), (300, 576, 32), (40, 64, 16)])
+# (bits, n, k, group): every layout with groups it takes (4-bit words span 8 columns, 5-bit's
+# fifth bits 32, 8-bit words 4)
+VNNI_CASES = [(b, n, k, g) for b in (4, 5, 8)
+              for n, k, g in ((16, 64, 32), (40, 96, 32), (100, 128, 64), (300, 576, 32), (40, 64, 16))
+              if g % {4: 8, 5: 32, 8: 4}[b] == 0]
+
+
+@pytest.mark.parametrize("bits,n,k,group", VNNI_CASES)
 def test_vnni_packing_round_trips(ops, bits, n, k, group):
     from kvtier.layers.qlinear import VNNIWeight
 
-    if bits == 4 and group % 8:
-        pytest.skip("4-bit words hold 8 columns")
     qw = _qweight(n, k, group, n, bits)
     packed = VNNIWeight.from_qweight(qw)
-    assert packed is not None
+    assert packed is not None and packed.bits == bits
     dense = qw.dequantize()
     out = torch.empty(n - 16, k)
     packed.dequantize_into(16, n, out)  # from a block boundary to a partial last block
@@ -170,18 +181,16 @@ def test_vnni_packing_round_trips(ops, bits, n, k, group):
     assert torch.equal(packed.rows(idx, torch.float32), dense[idx])
 
 
-@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.skipif(not cpu_ops.wanted() or cpu_ops.ops() is None or not cpu_ops.ops().qv_supported(),
+                    reason="this CPU has no AVX512-VNNI (its matrices keep torch's int4pack / int8 packings)")
 @pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 64])
-@pytest.mark.parametrize("n,k,group", [(40, 96, 32), (300, 576, 32), (100, 128, 64), (24, 64, 16)])
+@pytest.mark.parametrize("bits,n,k,group", VNNI_CASES)
 def test_qv_gemm_matches_the_dequantized_matmul(ops, bits, x_dtype, m, n, k, group):
     from kvtier.layers.qlinear import VNNIWeight
 
-    if not ops.qv_supported():
-        pytest.skip("this CPU has no AVX512-VNNI")
-    if bits == 4 and group % 8:
-        pytest.skip("4-bit words hold 8 columns")
     packed = VNNIWeight.from_qweight(_qweight(n, k, group, m + n, bits))
+    assert packed.bits == bits
     g = torch.Generator().manual_seed(m)
     x = (torch.randn(m, k, generator=g) * 3).to(x_dtype)
     x[0, :group] *= 1e-3  # a group far below the others: its own activation scale
