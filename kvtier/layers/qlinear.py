@@ -59,6 +59,9 @@ COL_SCALE_MIN = 2.0 ** -60
 PACK_ROWS = 16 * 64  # rows repacked to int4pack at once (a multiple of INT4PACK_BLOCK_N)
 # The q4v / q8v layouts (VNNIWeight): output rows in blocks of 16 (one AVX-512 register of fp32 results).
 Q4V_BLOCK = 16
+# Rows packed at once into a VNNIWeight: its int64 temporaries are ~24 bytes a weight, so 256 rows of
+# K = 8960 stay near 55 MB (the load's peak memory; tools/rss_load.py).
+VNNI_PACK_ROWS = 64
 INT8_CODE_OFFSET = 128  # 8-bit codes are held as unsigned bytes (VNNI multiplies u8 x s8)
 INT5_CODE_OFFSET = 16  # 5-bit codes (GGUF Q5_0: -16..15) as 0..31
 # VNNIWeight keeps scales / mins in fp16 when that rounds each no worse than bf16 would (2^-9
@@ -223,8 +226,8 @@ class VNNIWeight(PackedWeight):
             if not bool(((b.float() - a).abs() <= a.abs() * FP16_SCALE_RTOL).all()):
                 return None
         out = cls(shape, group, bits)
-        for r0 in range(0, shape[0], PACK_ROWS):
-            r1 = min(shape[0], r0 + PACK_ROWS)
+        for r0 in range(0, shape[0], VNNI_PACK_ROWS):
+            r1 = min(shape[0], r0 + VNNI_PACK_ROWS)
             out._pack_rows(r0, fill(r0, r1), s16[r0:r1], m16[r0:r1])
         return out
 
