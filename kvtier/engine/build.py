@@ -12,6 +12,7 @@ from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeEl
 
 from kvtier.config import EngineConfig
 from kvtier.engine.engine import Engine
+from kvtier.kernels import cpu_ops
 from kvtier.layers.linear import int8_gemv_supported
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -99,6 +100,11 @@ def build_engine(model: str, config: EngineConfig | None = None, show_progress: 
     cols = (SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn())
     t0 = time.monotonic()
     with Progress(*cols, console=console, transient=True, disable=not show_progress) as prog:
+        if config.device == "cpu" and cpu_ops.wanted():
+            # built once per machine and source version (tens of seconds), then loaded from the cache
+            cpu_task = prog.add_task("CPU kernels (compiled on the first run only)", total=None)
+            cpu_ops.ops()
+            prog.remove_task(cpu_task)
         task = prog.add_task(f"reading {Path(path).name}", total=3)
         # one tensor at a time, in the file's own quantized format (or cast to the compute dtype)
         ckpt = load_checkpoint(path, dtype=DTYPES[config.dtype], weights=load_mode(config, Path(path)))
