@@ -551,6 +551,66 @@ XParts x_parts(const float* x, int64_t m, int64_t k, int64_t group, bool interle
   return p;
 }
 
+#if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__BMI2__)
+// x_parts for groups of a multiple of 16 columns, reading x in its own dtype: the same parts, the
+// group sums in another order. Bytes first (hi / lo [K] int8 a row), then the words: q8v's are the
+// bytes as they lie (4 consecutive columns, little-endian); q4v's even / odd columns of each 8 are
+// taken out of the 8 bytes by pext.
+template <typename X>
+void x_parts_vec(const X* x, int64_t m, int64_t k, int64_t group, bool interleaved, XParts& p) {
+  const int64_t groups = k / group, words = interleaved ? k / 8 : k / 4;
+  for (auto* v : {&p.hi_even, &p.lo_even}) v->resize(m * words);
+  if (interleaved) {
+    for (auto* v : {&p.hi_odd, &p.lo_odd}) v->resize(m * words);
+  }
+  p.scale.resize(m * groups);
+  p.sum.resize(m * groups);
+  thread_local std::vector<int8_t> hi, lo;
+  hi.resize(k);
+  lo.resize(k);
+  const __m512 lo_min = _mm512_set1_ps(-128.f), lo_max = _mm512_set1_ps(127.f);
+  constexpr int round = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+  for (int64_t r = 0; r < m; ++r) {
+    const X* xr = x + r * k;
+    for (int64_t g = 0; g < groups; ++g) {
+      __m512 amax = _mm512_setzero_ps(), sum = _mm512_setzero_ps();
+      for (int64_t i = g * group; i < (g + 1) * group; i += 16) {
+        const __m512 v = load16(xr + i);
+        amax = _mm512_max_ps(amax, _mm512_abs_ps(v));
+        sum = _mm512_add_ps(sum, v);
+      }
+      const float a = _mm512_reduce_max_ps(amax);
+      const float sc = a > 0.f ? a / 127.f : 1.f;
+      const __m512 s = _mm512_set1_ps(sc), inv = _mm512_set1_ps(1.f / sc), inv256 = _mm512_set1_ps(256.f / sc);
+      for (int64_t i = g * group; i < (g + 1) * group; i += 16) {
+        const __m512 v = load16(xr + i);
+        const __m512 h = _mm512_roundscale_ps(_mm512_mul_ps(v, inv), round);
+        __m512 l = _mm512_roundscale_ps(_mm512_mul_ps(_mm512_fnmadd_ps(h, s, v), inv256), round);
+        l = _mm512_min_ps(_mm512_max_ps(l, lo_min), lo_max);
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(hi.data() + i), _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(h)));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(lo.data() + i), _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(l)));
+      }
+      p.scale[r * groups + g] = sc;
+      p.sum[r * groups + g] = _mm512_reduce_add_ps(sum);
+    }
+    if (!interleaved) {
+      std::memcpy(p.hi_even.data() + r * words, hi.data(), k);
+      std::memcpy(p.lo_even.data() + r * words, lo.data(), k);
+      continue;
+    }
+    for (int64_t j = 0; j < words; ++j) {
+      uint64_t hb, lb;
+      std::memcpy(&hb, hi.data() + 8 * j, 8);
+      std::memcpy(&lb, lo.data() + 8 * j, 8);
+      p.hi_even[r * words + j] = static_cast<uint32_t>(_pext_u64(hb, 0x00FF00FF00FF00FFull));
+      p.hi_odd[r * words + j] = static_cast<uint32_t>(_pext_u64(hb, 0xFF00FF00FF00FF00ull));
+      p.lo_even[r * words + j] = static_cast<uint32_t>(_pext_u64(lb, 0x00FF00FF00FF00FFull));
+      p.lo_odd[r * words + j] = static_cast<uint32_t>(_pext_u64(lb, 0xFF00FF00FF00FF00ull));
+    }
+  }
+}
+#endif
+
 #if defined(__AVX512F__) && defined(__AVX512VNNI__)
 // One 16-row block of W against MR rows of x (m0 ..), each word of codes loaded (and, 4-bit,
 // unpacked) once for all MR rows; the group sums of the MR rows -> rows_out [MR, 16].
@@ -672,8 +732,18 @@ at::Tensor qv_gemm(const at::Tensor& x, const at::Tensor& codes, const c10::opti
               "qv_gemm: int32 codes [ceil(N / 16), K / ", per_word, ", 16]");
   TORCH_CHECK(sm.scalar_type() == at::kHalf && sm.is_contiguous() && sm.numel() == blocks * (k / group) * 32,
               "qv_gemm: fp16 scales and mins [ceil(N / 16), K / G, 2, 16]");
-  auto xf = x.to(at::kFloat).contiguous();
-  const XParts xp = x_parts(xf.data_ptr<float>(), m, k, group, bits != 8);
+  thread_local XParts xp;  // reused: its buffers grow to the largest call and stay
+  bool done = false;
+#if defined(__BMI2__)
+  if (group % 16 == 0 && x.is_contiguous()) {
+    KVT_DISPATCH_FLOAT(x.scalar_type(), "qv_gemm", [&] { x_parts_vec<scalar_t>(x.data_ptr<scalar_t>(), m, k, group, bits != 8, xp); });
+    done = true;
+  }
+#endif
+  if (!done) {
+    auto xf = x.to(at::kFloat).contiguous();
+    xp = x_parts(xf.data_ptr<float>(), m, k, group, bits != 8);
+  }
   const int32_t* cp = codes.data_ptr<int32_t>();
   const int32_t* hp = bits == 5 ? hbits->data_ptr<int32_t>() : nullptr;
   const Half* sp = sm.data_ptr<Half>();
