@@ -784,11 +784,14 @@ at::Tensor qv_gemm(const at::Tensor& x, const at::Tensor& codes, const c10::opti
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("rms_norm", &rms_norm, "RMSNorm of fp32 rows, cast to out_dtype");
-  m.def("rope_", &rope_, "per-head RMSNorm (optional) + rotary, in place on qkv");
-  m.def("kv_store", &kv_store, "K/V rows into a plain page pool layer");
-  m.def("paged_decode", &paged_decode, "one-row-per-sequence attention over paged K/V");
-  m.def("silu_mul", &silu_mul, "silu(gu[:, :I]) * gu[:, I:]");
-  m.def("qv_gemm", &qv_gemm, "x @ W^T over 4-bit q4v / 5-bit q5v / 8-bit q8v codes (AVX512-VNNI) (+ residual)");
+  // the kernels run without the GIL, as torch's own ops do: the server's event loop (another
+  // Python thread) streams tokens while a step computes
+  const auto nogil = py::call_guard<py::gil_scoped_release>();
+  m.def("rms_norm", &rms_norm, nogil, "RMSNorm of fp32 rows, cast to out_dtype");
+  m.def("rope_", &rope_, nogil, "per-head RMSNorm (optional) + rotary, in place on qkv");
+  m.def("kv_store", &kv_store, nogil, "K/V rows into a plain page pool layer");
+  m.def("paged_decode", &paged_decode, nogil, "one-row-per-sequence attention over paged K/V");
+  m.def("silu_mul", &silu_mul, nogil, "silu(gu[:, :I]) * gu[:, I:]");
+  m.def("qv_gemm", &qv_gemm, nogil, "x @ W^T over 4-bit q4v / 5-bit q5v / 8-bit q8v codes (AVX512-VNNI) (+ residual)");
   m.def("qv_supported", &qv_supported, "whether qv_gemm was built (AVX512-VNNI)");
 }
