@@ -24,7 +24,7 @@ import torch
 log = logging.getLogger("kvtier")
 
 SOURCE = Path(__file__).parent / "csrc" / "cpu_ops.cpp"
-NAME = "kvtier_cpu_ops"
+NAME = "kvtier_cpu_ops"  # + a hash of the CPU's feature flags (_name)
 # Context tokens a decode split reads at least: below it, one thread's share costs less than
 # waking another.
 MIN_SPLIT = 256
@@ -79,7 +79,7 @@ def _build() -> ModuleType | None:
     try:
         from torch.utils import cpp_extension
 
-        return cpp_extension.load(NAME, [str(SOURCE)], extra_cflags=FLAGS, extra_ldflags=["-fopenmp"],
+        return cpp_extension.load(_name(), [str(SOURCE)], extra_cflags=FLAGS, extra_ldflags=["-fopenmp"],
                                   verbose=False)
     except Exception as e:  # no compiler, no ninja, a failed build: the references run instead
         lines = str(e).strip().splitlines() or [""]
@@ -90,6 +90,21 @@ def _build() -> ModuleType | None:
 
 # Floating dtypes the kernels read and write.
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _name() -> str:
+    """NAME + a hash of this CPU's feature flags: the build is -march=native, so a cache directory
+    carried to another CPU must not load a library built for this one (torch keys its cache by
+    name and source only)."""
+    import hashlib
+
+    flags = ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((ln for ln in f if ln.startswith(("flags", "Features"))), "")
+    except OSError:
+        pass
+    return f"{NAME}_{hashlib.sha256(flags.encode()).hexdigest()[:8]}"
 
 
 def usable(*tensors: torch.Tensor | None) -> ModuleType | None:
