@@ -44,6 +44,7 @@ from collections.abc import Iterator
 import torch
 import torch.nn.functional as F
 
+from kvtier.kernels import cpu_ops
 from kvtier.layers.rotary import apply_rotary
 
 try:
@@ -126,6 +127,41 @@ def silu_mul_reference(gu: torch.Tensor) -> torch.Tensor:
     """gu: [T, 2I] -> silu(gu[:, :I]) * gu[:, I:] : [T, I], rounded in gu.dtype after each op."""
     inter = gu.shape[-1] // 2
     return F.silu(gu[:, :inter]).mul_(gu[:, inter:])
+
+
+# ---------------------------------------------------------------- dispatch (what model code calls)
+
+def apply_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                   out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """RMSNorm, cast to out_dtype if given: the Triton kernel on CUDA, the C++ kernel for the CPU's
+    fp32 residual rows (kernels/cpu_ops.py, casting as it writes), else the reference."""
+    if x.dtype == torch.float32 == weight.dtype and x.dim() == 2 and x.stride(-1) == 1 \
+            and (ops := cpu_ops.usable(x)) is not None:
+        return ops.rms_norm(x, weight, eps, out_dtype or x.dtype)
+    y = rms_norm(x, weight, eps) if use_kernels(x, weight) else rms_norm_reference(x, weight, eps)
+    return y if out_dtype is None else y.to(out_dtype)
+
+
+def apply_qk_norm_rope(qkv: torch.Tensor, hq: int, hkv: int, d: int, cos: torch.Tensor, sin_signed: torch.Tensor,
+                       q_weight: torch.Tensor | None, k_weight: torch.Tensor | None,
+                       eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """qk_norm_rope: the Triton kernel on CUDA; on CPU the C++ kernel, in place on qkv (which must
+    be the caller's own buffer), q and k returned as views of it; else the reference."""
+    if qkv.stride(-1) == 1 and cos.dtype == qkv.dtype and (ops := cpu_ops.usable(qkv)) is not None:
+        ops.rope_(qkv, cos, sin_signed, hq, hkv, d, q_weight, k_weight, eps)
+        t = qkv.shape[0]
+        return qkv[:, :hq * d].view(t, hq, d), qkv[:, hq * d:(hq + hkv) * d].view(t, hkv, d)
+    rope = qk_norm_rope if use_kernels(qkv, cos, sin_signed, q_weight, k_weight) else qk_norm_rope_reference
+    return rope(qkv, hq, hkv, d, cos, sin_signed, q_weight, k_weight, eps)
+
+
+def apply_silu_mul(gu: torch.Tensor) -> torch.Tensor:
+    """silu_mul: the Triton kernel on CUDA, the C++ kernel on CPU, else the reference."""
+    if use_kernels(gu):
+        return silu_mul(gu)
+    if gu.dim() == 2 and gu.stride(-1) == 1 and (ops := cpu_ops.usable(gu)) is not None:
+        return ops.silu_mul(gu)
+    return silu_mul_reference(gu)
 
 
 def _check_qk_weights(q_weight: torch.Tensor | None, k_weight: torch.Tensor | None) -> None:

@@ -69,6 +69,8 @@ class PagePool:
         # K is stored as (k - k_shift) / k_channel_scale, both [kv_heads, head_dim].
         self.k_shift: list[torch.Tensor | None] = [None] * num_layers
         self.k_channel_scale: list[torch.Tensor | None] = [None] * num_layers
+        # rows stored as they are (plain_pages): fixed by the format
+        self._plain_format = not (fmt.quantized or fmt.smooth_k or fmt.rotate_k or fmt.rotate_v)
         # Sink rows (quantized formats only): the K/V row at sequence position 0 (offset 0 of a
         # sequence's first page) draws much of every layer's attention, and its quantization error
         # dominated the measured KL (fp8 3.4e-3 -> 2.5e-3 with it exact; docs/benchmarks.md). It is
@@ -125,8 +127,7 @@ class PagePool:
         """(K, V) pages [P, kv_heads, page_size, head_dim] of one layer when they hold the rows as
         they are (a plain format: no quantization, smoothing, rotation or sink rows), for kernels
         that read or write them in place; else None."""
-        fmt = self.fmt
-        if fmt.quantized or fmt.smooth_k or fmt.rotate_k or fmt.rotate_v or self.k_channel_scale[layer] is not None:
+        if not self._plain_format or self.k_channel_scale[layer] is not None:
             return None
         st = self.layers[layer]
         return st["k"], st["v"]

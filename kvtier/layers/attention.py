@@ -254,10 +254,8 @@ class DensePagedAttention:
             plan.cpu_decode = _decode_tables(meta, tables)  # every row decodes: the C++ kernel reads the pool
             return plan
         if n_rows == meta.num_seqs and meta.num_seqs > 1 and not any(streamed):
-            max_p = max(len(pt) for pt in tables)
-            table = torch.zeros(meta.num_seqs, max_p, dtype=torch.long)
-            for b, pt in enumerate(tables):
-                table[b, :len(pt)] = torch.tensor(pt, dtype=torch.long)
+            table = _padded_table(tables)
+            max_p = table.shape[1]
             plan.batch_table = table.flatten().to(device, non_blocking=True)
             plan.max_pages = max_p
             lens = torch.tensor(meta.seq_lens, device=device)
@@ -323,10 +321,15 @@ def _decode_tables(meta: AttentionMetadata, tables: list[list[int]]) -> tuple[to
     n = meta.num_seqs
     if meta.block_table is not None and meta.seq_lens_t is not None:
         return meta.block_table[:n].long(), meta.seq_lens_t[:n].long()  # int64 once a step, not a layer
-    table = torch.zeros(n, max(len(t) for t in tables), dtype=torch.long)
+    return _padded_table(tables), torch.tensor(meta.seq_lens, dtype=torch.long)
+
+
+def _padded_table(tables: list[list[int]]) -> torch.Tensor:
+    """Page tables -> int64 [B, longest] on the CPU, short rows padded with page 0."""
+    table = torch.zeros(len(tables), max(len(t) for t in tables), dtype=torch.long)
     for b, pt in enumerate(tables):
         table[b, :len(pt)] = torch.tensor(pt, dtype=torch.long)
-    return table, torch.tensor(meta.seq_lens, dtype=torch.long)
+    return table
 
 
 _ZERO_INDEX: dict[torch.device, torch.Tensor] = {}

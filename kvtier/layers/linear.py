@@ -98,7 +98,7 @@ class Linear(torch.nn.Module):
         if VNNIWeight.supports(k, INT4_GROUP, 8):  # per group of 32, fp16 scales: finer than per row
             packed = VNNIWeight.from_qweight(quantize_rtn(self.weight.data.float(), 8, INT4_GROUP))
             if packed is not None:
-                self._hold(packed, 0)
+                self.qv = packed
                 return
         q, s = quantize_rows_int8(self.weight.data)
         self.qweight, self.qscale, self.qgroup = q, s, 0
@@ -113,17 +113,13 @@ class Linear(torch.nn.Module):
             packed = VNNIWeight.build(tuple(q.shape), group, 4, scale, sz[..., 1].t().float() - INT4_OFFSET * scale,
                                       lambda r0, r1: q[r0:r1])
             if packed is not None:
-                self._hold(packed, group)
+                self.qv = packed
                 return
         self.qweight = torch._convert_weight_to_int4pack_for_cpu(q, 1)  # uint8 [out, in / 2]
         self.qscale, self.qgroup = sz, group
 
-    def _hold(self, packed: VNNIWeight, group: int) -> None:
-        """Keep `packed` as the small-batch copy (its buffers also as qweight / qscale, for byte counts)."""
-        self.qv, self.qweight, self.qscale, self.qgroup = packed, packed.codes, packed.sm, group
-
     def _uses_quantized(self, x: torch.Tensor) -> bool:
-        return self.qweight is not None and x.shape[0] <= INT8_GEMV_MAX_ROWS
+        return (self.qv is not None or self.qweight is not None) and x.shape[0] <= INT8_GEMV_MAX_ROWS
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [T, in] -> [T, out]"""
@@ -157,7 +153,10 @@ class Linear(torch.nn.Module):
 
     def decode_bytes(self) -> int:
         """Bytes one small-batch step reads from this layer's weights."""
-        parts = [self.qweight, self.qscale] if self.qweight is not None else [self.weight]
+        if self.qv is not None:
+            parts = list(self.qv.buffers())
+        else:
+            parts = [self.qweight, self.qscale] if self.qweight is not None else [self.weight]
         if self.bias is not None:
             parts.append(self.bias)
         return sum(t.numel() * t.element_size() for t in parts)

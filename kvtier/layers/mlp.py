@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from kvtier.kernels import cpu_ops, fused
+from kvtier.kernels import fused
 from kvtier.layers.qlinear import Scratch, make_linear
 from kvtier.layers.qweight import QuantWeight
 
@@ -22,11 +22,5 @@ class GatedMLP(torch.nn.Module):
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         """x: [T, H] -> [T, H]; with `residual` [T, H], returns residual + mlp(x) (fused into the GEMM)."""
         gu = self.gate_up(x)  # [T, 2I]
-        # silu(gate) * up, [T, I]: one fused kernel on CUDA or CPU, else F.silu + mul_
-        if fused.use_kernels(gu):
-            act = fused.silu_mul(gu)
-        elif gu.dim() == 2 and gu.stride(-1) == 1 and (ops := cpu_ops.usable(gu)) is not None:
-            act = ops.silu_mul(gu)  # one C++ call (kernels/cpu_ops.py)
-        else:
-            act = fused.silu_mul_reference(gu)
+        act = fused.apply_silu_mul(gu)  # silu(gate) * up, [T, I]: one kernel on CUDA or CPU
         return self.down(act) if residual is None else self.down.add_to(residual, act)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from kvtier.kernels import cpu_ops, fused
+from kvtier.kernels import fused
 
 
 class RMSNorm(torch.nn.Module):
@@ -24,11 +24,4 @@ class RMSNorm(torch.nn.Module):
 
     def forward(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
         """x: [..., D] -> [..., D], cast to out_dtype if given (the CPU kernel casts as it writes)."""
-        if x.dtype == torch.float32 == self.weight.dtype and x.dim() == 2 and x.stride(-1) == 1 \
-                and (ops := cpu_ops.usable(x)) is not None:
-            return ops.rms_norm(x, self.weight, self.eps, out_dtype or x.dtype)  # fp32 residual rows (CPU)
-        if fused.use_kernels(x, self.weight):
-            y = fused.rms_norm(x, self.weight, self.eps)
-        else:
-            y = fused.rms_norm_reference(x, self.weight, self.eps)
-        return y if out_dtype is None else y.to(out_dtype)
+        return fused.apply_rms_norm(x, self.weight, self.eps, out_dtype)

@@ -62,6 +62,8 @@ Q4V_BLOCK = 16
 # Rows packed at once into a VNNIWeight: its int64 temporaries are ~24 bytes a weight, so 256 rows of
 # K = 8960 stay near 55 MB (the load's peak memory; tools/rss_load.py).
 VNNI_PACK_ROWS = 64
+# Columns a layout's word spans (q4v, q5v's fifth-bit words, q8v): a group must be a multiple.
+VNNI_GROUP_MULTIPLE = {4: 8, 5: 32, 8: 4}
 INT8_CODE_OFFSET = 128  # 8-bit codes are held as unsigned bytes (VNNI multiplies u8 x s8)
 INT5_CODE_OFFSET = 16  # 5-bit codes (GGUF Q5_0: -16..15) as 0..31
 # VNNIWeight keeps scales / mins in fp16 when that rounds each no worse than bf16 would (2^-9
@@ -90,6 +92,11 @@ class PackedWeight(torch.nn.Module):
 
     def gemv(self, x: torch.Tensor) -> torch.Tensor | None:
         """x [M, K] (few rows) -> [M, N] with a kernel that reads the packed bytes; None: no such kernel."""
+        return None
+
+    def gemv_add(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor | None:
+        """residual + x @ W^T in the residual's dtype, the add inside the kernel's call; None: the
+        packing's kernel has no such form (the caller adds)."""
         return None
 
     def dequantize_into(self, r0: int, r1: int, out: torch.Tensor) -> None:
@@ -213,8 +220,18 @@ class VNNIWeight(PackedWeight):
     def supports(k: int, group: int, bits: int = 4) -> bool:
         """Whether the kernel is built here (AVX512-VNNI CPU) and takes this K / group."""
         ops = cpu_ops.ops()
-        need = {4: 8, 5: 32, 8: 4}.get(bits)
+        need = VNNI_GROUP_MULTIPLE.get(bits)
         return need is not None and ops is not None and ops.qv_supported() and group % need == 0 and k % group == 0
+
+    @staticmethod
+    def layout_of(qw: QuantWeight) -> tuple[int, int]:
+        """(bits, code offset) a QuantWeight is held in: 4-bit as is, 8-bit codes of -16..15 (Q5_0)
+        as 5 bits + 16 where its groups span whole 32-column words, other 8-bit codes + 128."""
+        if qw.bits == 4:
+            return 4, 0
+        if qw.group % VNNI_GROUP_MULTIPLE[5] == 0 and fits_5_bits(qw):
+            return 5, INT5_CODE_OFFSET
+        return 8, INT8_CODE_OFFSET
 
     @classmethod
     def build(cls, shape: tuple[int, int], group: int, bits: int, scale: torch.Tensor, minv: torch.Tensor,
@@ -236,17 +253,16 @@ class VNNIWeight(PackedWeight):
         """A 4-bit (codes 0..15) or 8-bit (int8 codes, stored + 128) QuantWeight, codes untouched."""
         scale = qw.scales.float()
         minv = qw.mins.float() if qw.mins is not None else torch.zeros_like(scale)
-        if qw.bits == 4:
+        bits, offset = cls.layout_of(qw)
+        if bits == 4:
             return cls.build(qw.shape, qw.group, 4, scale, minv, lambda r0, r1: unpack_int4(qw.qweight[r0:r1]))
-        bits, offset = (5, INT5_CODE_OFFSET) if qw.group % 32 == 0 and fits_5_bits(qw) else (8, INT8_CODE_OFFSET)
         return cls.build(qw.shape, qw.group, bits, scale, minv - offset * scale,
                          lambda r0, r1: qw.qweight[r0:r1].to(torch.int32) + offset)
 
     @classmethod
     def for_qweight(cls, qw: QuantWeight) -> "VNNIWeight | None":
         """from_qweight where this CPU runs the kernel for qw's shape and codes, else None."""
-        bits = 5 if qw.bits == 8 and qw.group % 32 == 0 and fits_5_bits(qw) else qw.bits
-        return cls.from_qweight(qw) if cls.supports(qw.shape[1], qw.group, bits) else None
+        return cls.from_qweight(qw) if cls.supports(qw.shape[1], qw.group, cls.layout_of(qw)[0]) else None
 
     def _shifts(self) -> torch.Tensor:
         return (32 // self.per_word) * torch.arange(self.per_word, dtype=torch.int64)
@@ -276,6 +292,9 @@ class VNNIWeight(PackedWeight):
         if ops is None:  # switched off (cpu_ops.disabled): the reference, fp32 over the dense weight
             return self.gemv_reference(x, residual)
         return ops.qv_gemm(x, self.codes, self.hbits, self.sm, self.group, self.shape[0], self.bits, residual)
+
+    def gemv_add(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        return self.gemv(x, residual)
 
     def gemv_reference(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         """What qv_gemm computes, in PyTorch: x @ W^T in fp32 over the dequantized rows, rounded to x's dtype."""
@@ -558,8 +577,10 @@ class QuantLinear(torch.nn.Module):
             from kvtier.kernels.wq_matmul import wq_linear  # written alongside; CUDA only
             return wq_linear(x, self.weight.qw, self.bias, residual)
         small = x.shape[0] <= self.weight.gemv_max_rows
-        if small and residual is not None and self.bias is None and isinstance(self.weight, VNNIWeight):
-            return self.weight.gemv(x, residual)  # the residual add inside the kernel's call
+        if small and residual is not None and self.bias is None:
+            y = self.weight.gemv_add(x, residual)  # the residual add inside the kernel's call, where it has one
+            if y is not None:
+                return y
         y = self.weight.gemv(x) if small else None
         if y is None:
             y = self._dense_matmul(x)

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from kvtier.config import ModelSpec
-from kvtier.kernels import cpu_ops, fused
+from kvtier.kernels import fused
 from kvtier.layers.attention import AttentionBackend, AttentionMetadata
 from kvtier.layers.linear import FOUR_BIT_SOURCES, Linear, int4_gemv_supported
 from kvtier.layers.mlp import GatedMLP
@@ -134,13 +134,8 @@ class DecoderLayer(torch.nn.Module):
         """
         qn, kn = self.q_norm, self.k_norm
         qw, kw, eps = (qn.weight, kn.weight, qn.eps) if qn is not None and kn is not None else (None, None, 0.0)
-        hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
-        if qkv.stride(-1) == 1 and cos.dtype == qkv.dtype and (ops := cpu_ops.usable(qkv)) is not None:
-            ops.rope_(qkv, cos, sin, hq, hkv, d, qw, kw, eps)  # in place: qkv is this layer's own output
-            t = qkv.shape[0]
-            return qkv[:, :hq * d].view(t, hq, d), qkv[:, hq * d:(hq + hkv) * d].view(t, hkv, d)
-        rope = fused.qk_norm_rope if fused.use_kernels(qkv, cos, sin, qw, kw) else fused.qk_norm_rope_reference
-        return rope(qkv, hq, hkv, d, cos, sin, qw, kw, eps)
+        # qkv is this layer's own output: the CPU kernel may rotate it in place
+        return fused.apply_qk_norm_rope(qkv, self.num_heads, self.num_kv_heads, self.head_dim, cos, sin, qw, kw, eps)
 
 
 class TokenEmbedding(torch.nn.Module):

@@ -9,6 +9,7 @@ import torch
 
 from kvtier.kernels import cpu_ops, fused
 from kvtier.layers.attention import decode_attend_cpu
+from kvtier.layers.qlinear import VNNI_GROUP_MULTIPLE
 from kvtier.layers.rotary import RotaryEmbedding
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -163,7 +164,7 @@ def _qweight(n: int, k: int, group: int, seed: int, bits: int = 4):
 # fifth bits 32, 8-bit words 4)
 VNNI_CASES = [(b, n, k, g) for b in (4, 5, 8)
               for n, k, g in ((16, 64, 32), (40, 96, 32), (100, 128, 64), (300, 576, 32), (40, 64, 16))
-              if g % {4: 8, 5: 32, 8: 4}[b] == 0]
+              if g % VNNI_GROUP_MULTIPLE[b] == 0]
 
 
 @pytest.mark.parametrize("bits,n,k,group", VNNI_CASES)
