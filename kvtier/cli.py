@@ -44,6 +44,8 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
                         "centroid (per kv head mean key) | hybrid (half quest, half centroid)")
     p.add_argument("--cuda-graphs", default="auto", choices=("auto", "on", "off"),
                    help="capture decode steps as CUDA graphs (auto: on CUDA with the triton backend)")
+    p.add_argument("--overlap", default="auto", choices=("auto", "on", "off"),
+                   help="plan and launch each decode step while the one before it runs (auto: on CUDA)")
     p.add_argument("--page-size", type=int, default=DEFAULT_PAGE_SIZE)
     p.add_argument("--gpu-kv-mib", type=int, default=None, help="KV pool size on the compute device")
     p.add_argument("--host-kv-mib", type=int, default=0, help="pinned host-RAM KV tier size")
@@ -66,7 +68,7 @@ def _engine_config(a: argparse.Namespace) -> EngineConfig:
                         prefill_chunk=a.prefill_chunk, max_model_len=a.max_model_len,
                         cache=cache, threads=a.threads, decode_threads=a.decode_threads,
                         decode_weights=a.decode_weights, weights=a.weights,
-                        attention_backend=a.attention_backend, cuda_graphs=a.cuda_graphs,
+                        attention_backend=a.attention_backend, cuda_graphs=a.cuda_graphs, overlap=a.overlap,
                         retrieval=RetrievalConfig(budget=a.kvmem_budget, sink=a.kvmem_sink,
                                                   window=a.kvmem_window, selector=a.kvmem_selector))
 

@@ -167,12 +167,17 @@ class EngineConfig:
     # CUDA graphs for decode steps (engine/cuda_graph.py): auto = on where the device and the
     # attention backend allow them
     cuda_graphs: str = "auto"
+    # Overlap scheduling (engine/engine.py): a decode step is planned and launched while the one
+    # before it still runs, its input ids read from the device; auto = on for CUDA
+    overlap: str = "auto"
 
     def __post_init__(self) -> None:
         if self.attention_backend not in ("auto", "dense", "triton"):
             raise ValueError(f"attention_backend must be auto|dense|triton, got {self.attention_backend!r}")
         if self.cuda_graphs not in ("auto", "on", "off"):
             raise ValueError(f"cuda_graphs must be auto|on|off, got {self.cuda_graphs!r}")
+        if self.overlap not in ("auto", "on", "off"):
+            raise ValueError(f"overlap must be auto|on|off, got {self.overlap!r}")
         if self.decode_weights not in ("auto", "dense", "int8"):
             raise ValueError(f"decode_weights must be auto|dense|int8, got {self.decode_weights!r}")
         if self.weights not in ("auto", "bf16", "int8", "int4"):

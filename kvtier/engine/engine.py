@@ -3,6 +3,21 @@
     add_request(Request) -> scheduler.waiting
     step():  scheduler.schedule() -> Batch -> runner.execute() -> logits
              -> sampler -> append tokens -> detokenize + stops -> [Output]
+
+Overlap scheduling (`overlap`, on for CUDA): a decode step's sampled ids stay on the
+device and the host goes on to plan and launch the next decode step before reading
+them back, so the GPU never waits for the host between steps:
+
+    host:  plan n | launch n | read back n-1, outputs | plan n+1 | launch n+1 | read back n ...
+    GPU:          [ step n ..................... ][ step n+1 .................... ]
+
+Until it is read back, a sampled token sits in `seq.tokens` as PENDING_TOKEN; step n+1
+takes its input ids from step n's device tensor (runner.Feed). A sequence that
+stopped at step n has had one extra step computed: its row is dropped at read back.
+Steps chain only while that is all that can differ (`_can_chain`): no request waiting,
+every running sequence decoding, none at its last token, a free page for each that
+needs one (no eviction, offload or preemption), sampling that reads no token history
+(no penalties, no grammar). Anything else reads the step in flight back first.
 """
 
 from __future__ import annotations
@@ -18,9 +33,10 @@ import torch
 
 from kvtier.config import EngineConfig, prefill_chunk_for
 from kvtier.engine.request import ContextOverflowError, Output, PinnedBudget, Progress, Request, Usage
-from kvtier.engine.runner import ModelRunner
-from kvtier.engine.sampler import sample
-from kvtier.engine.scheduler import Scheduler, Sequence
+from kvtier.engine.runner import Feed, ModelRunner
+from kvtier.engine.sampler import needs_history, sample
+from kvtier.engine.scheduler import Batch, Scheduler, SeqStatus, Sequence
+from kvtier.engine.step_plan import decode_step
 from kvtier.engine.stops import StopChecker
 from kvtier.kv.formats import make_format
 from kvtier.kv.stats import cache_stats
@@ -47,6 +63,21 @@ class _SeqOut:
     grammar: object | None
     stop_ids: frozenset[int]
     output_ids: list[int] = field(default_factory=list)
+
+
+# A sampled token still on the device (overlap scheduling): its place in `seq.tokens` until read back.
+PENDING_TOKEN = -1
+
+
+@dataclass
+class _InFlight:
+    """A decode step launched and not yet read back (overlap scheduling)."""
+
+    rows: list[Sequence]  # the sequences it samples for, in batch order
+    index: list[int]  # where each row's PENDING_TOKEN sits in seq.tokens
+    tokens: torch.Tensor  # [rows] int64 on the compute device: the next step's input ids
+    host: torch.Tensor  # the same ids, readable once `done` has completed
+    done: torch.cuda.Event | None
 
 
 class _NoDetok:
@@ -110,6 +141,13 @@ class Engine:
                                   max_seqs=config.max_batch, max_tokens=config.max_batch + chunk,
                                   max_model_len=self.max_model_len, scratch_page=scratch)
         self.graph_capture_seconds = self.runner.capture_graphs() if graphs else 0.0
+        self.overlap = config.overlap == "on" or (config.overlap == "auto" and self.device.type == "cuda")
+        self._inflight: _InFlight | None = None
+        # pinned read-back buffers, one per step that can be in flight at once (this one, the last)
+        pin = self.device.type == "cuda"
+        self._readback = [torch.zeros(config.max_batch, dtype=torch.int64, pin_memory=pin) for _ in range(2)]
+        self._readback_turn = 0
+        self.overlap_steps = 0  # decode steps launched before the step before them was read back
         self._seqs: dict[str, Sequence] = {}
         self._outs: dict[str, _SeqOut] = {}
         self._all_threads = self._threads_now = torch.get_num_threads()
@@ -183,26 +221,125 @@ class Engine:
 
     # ---- the step -------------------------------------------------------
     def step(self) -> list[Output]:
+        outputs: list[Output] = []
+        if self._inflight is not None and not self._can_chain():
+            outputs = self._read_back()
         batch = self.scheduler.schedule()
+        if self._inflight is not None and not self._launchable(batch):
+            # cannot happen after _can_chain said yes; stay correct if it does: the inputs of the
+            # batch become known, sequences that stopped leave it (their pages are already freed)
+            outputs += self._read_back()
+            batch.seqs = [s for s in batch.seqs if s.seq.status is SeqStatus.RUNNING]
         if not batch:
             if self.scheduler.waiting and not self.scheduler.running:
                 # nothing running and the head of the queue still does not fit: it never will
                 seq = self.scheduler.waiting[0]
-                return [self._finish(seq, "error", "the KV cache is too small for this request")]
-            return []
+                outputs.append(self._finish(seq, "error", "the KV cache is too small for this request"))
+            return outputs
         self._set_threads(batch)
+        if self.overlap and self._launchable(batch):
+            return outputs + self._launch(batch)
         logits = self.runner.execute(batch)
         self.scheduler.after_step(batch)
         self.steps += 1
         sampled = [s for s in batch.seqs if s.sample]
-        outputs: list[Output] = []
         if sampled:
-            tokens = self._sample(sampled, logits)
+            tokens = self._sample(sampled, logits).tolist()
             for s, tok in zip(sampled, tokens):
                 outputs.append(self._append(s.seq, tok))
         for s in batch.seqs:
             if not s.sample and s.seq.in_prefill:
                 outputs.append(self._progress(s.seq))
+        return outputs
+
+    # ---- overlap scheduling (module docstring) ---------------------------
+    def _launchable(self, batch: Batch) -> bool:
+        """A decode step that may run with its tokens read back later: every row decodes one token
+        and samples without reading its token history."""
+        if not batch or not decode_step(batch):
+            return False
+        for s in batch.seqs:
+            so = self._outs[s.seq.seq_id]
+            if so.grammar is not None or needs_history(s.seq.request.params):
+                return False
+        return True
+
+    def _can_chain(self) -> bool:
+        """The next step may launch before the step in flight is read back: it will be exactly
+        the in-flight sequences decoding once more, with pages to spare (module docstring)."""
+        sch, ps = self.scheduler, self.manager.page_size
+        if sch.waiting:
+            return False
+        live = [seq for seq in self._inflight.rows if self._seqs.get(seq.seq_id) is seq]
+        if len(live) != len(sch.running) or any(seq.status is not SeqStatus.RUNNING for seq in live):
+            return False
+        new_pages = 0
+        for seq in live:
+            n = len(seq.tokens)  # the pending token included: it is the next step's input
+            if seq.num_output >= seq.request.params.max_tokens or n >= self.max_model_len:
+                return False  # the pending token is its last
+            new_pages += (n - 1) % ps == 0
+        return new_pages <= self.manager.num_free_gpu_pages()
+
+    def _launch(self, batch: Batch) -> list[Output]:
+        """Run a decode step, leave its sampled ids on the device, then read back the step before
+        it (whose ids this one took as input). -> that step's outputs."""
+        prev = self._inflight
+        logits = self.runner.execute(batch, feed=self._feed(batch, prev) if prev is not None else None)
+        rows = [s.seq for s in batch.seqs]
+        tokens = self._sample(batch.seqs, logits)
+        host = self._readback[self._readback_turn][:len(rows)]
+        self._readback_turn ^= 1
+        done = None
+        if self.device.type == "cuda":
+            host.copy_(tokens, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record()
+        else:
+            host.copy_(tokens)
+        index = [len(seq.tokens) for seq in rows]
+        for seq in rows:
+            seq.tokens.append(PENDING_TOKEN)
+        self._inflight = _InFlight(rows, index, tokens, host, done)
+        self.steps += 1
+        self.overlap_steps += prev is not None
+        outputs = self._read_back(prev) if prev is not None else []
+        # KV commits hash tokens[:num_computed]: this step's inputs are known only now
+        self.scheduler.after_step(Batch([s for s in batch.seqs if s.seq.status is SeqStatus.RUNNING]))
+        return outputs
+
+    def _feed(self, batch: Batch, prev: _InFlight) -> Feed:
+        """Where each row's pending input id lies in the step before's device tensor."""
+        at = {id(seq): j for j, seq in enumerate(prev.rows)}
+        dst, src = [], []
+        for b, s in enumerate(batch.seqs):
+            if s.seq.tokens[s.start] == PENDING_TOKEN:
+                dst.append(b)
+                src.append(at[id(s.seq)])
+        if dst == src == list(range(len(dst))):
+            return Feed(prev.tokens, len(dst))
+        pin = self.device.type == "cuda"
+        as_dev = (lambda v: torch.tensor(v, dtype=torch.int64).pin_memory().to(self.device, non_blocking=True)
+                  if pin else torch.tensor(v, dtype=torch.int64))
+        return Feed(prev.tokens, len(dst), as_dev(dst), as_dev(src))
+
+    def _read_back(self, flight: _InFlight | None = None) -> list[Output]:
+        """Wait for a launched step's ids (default: the one in flight, which is then done) and
+        append them as the synchronous path does; rows whose request has ended are dropped."""
+        if flight is None:
+            flight, self._inflight = self._inflight, None
+        if flight.done is not None:
+            flight.done.synchronize()
+        outputs = []
+        for seq, i, tok in zip(flight.rows, flight.index, flight.host.tolist()):
+            if self._seqs.get(seq.seq_id) is not seq:
+                continue  # finished (a stop one step back) or aborted since its launch
+            later = seq.tokens[i + 1:]  # the next step's pending token, if it was launched
+            del seq.tokens[i:]
+            out = self._append(seq, tok)
+            if not out.finished:
+                seq.tokens += later
+            outputs.append(out)
         return outputs
 
     def _set_threads(self, batch) -> None:
@@ -223,13 +360,13 @@ class Engine:
             torch.set_num_threads(want)
             self._threads_now = want
 
-    def _sample(self, sampled, logits: torch.Tensor) -> list[int]:
+    def _sample(self, sampled, logits: torch.Tensor) -> torch.Tensor:
+        """-> sampled ids [rows] int64 on the logits' device."""
         params = [s.seq.request.params for s in sampled]
         outs = [self._outs[s.seq.seq_id] for s in sampled]
         masks = [o.grammar.allowed_mask() if o.grammar is not None else None for o in outs]
-        toks = sample(logits, params, [o.generator for o in outs], [s.seq.tokens for s in sampled],
+        return sample(logits, params, [o.generator for o in outs], [s.seq.tokens for s in sampled],
                       masks, prompt_lens=[s.seq.prompt_len for s in sampled])
-        return toks.tolist()
 
     def _append(self, seq: Sequence, tok: int) -> Output:
         so = self._outs[seq.seq_id]
@@ -253,6 +390,8 @@ class Engine:
                 last_token: int | None = None, text: str = "") -> Output:
         so = self._outs.pop(seq.seq_id)
         self._seqs.pop(seq.seq_id, None)
+        while seq.tokens and seq.tokens[-1] == PENDING_TOKEN:  # aborted with a step in flight
+            seq.tokens.pop()
         self.scheduler.finish(seq)
         if not isinstance(stop_reason, str):  # not a stop string: release held-back text
             text += so.stops.feed(so.detok.flush())[0] + so.stops.flush()
@@ -276,7 +415,7 @@ class Engine:
                 "steps": self.steps, "preemptions": self.scheduler.preemptions,
                 "kv_format": self.kv_format, "gpu_pages": self.manager.num_gpu_pages,
                 "device": self.device.type, "attention_backend": self.runner.backend.name,
-                "graph_steps": self.runner.graph_steps,
+                "graph_steps": self.runner.graph_steps, "overlap_steps": self.overlap_steps,
                 "host_pages": self.host_pool.num_pages if self.host_pool else 0,
                 "cache": cache_stats(self.manager, self.pool, self.host_pool)}
 

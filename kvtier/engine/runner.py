@@ -14,6 +14,8 @@ either tier where the graphs have a host variant), else eagerly.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from kvtier.engine.cuda_graph import DecodeGraphs
@@ -21,6 +23,24 @@ from kvtier.engine.scheduler import Batch
 from kvtier.engine.step_plan import StepPlanner, decode_step, reads_host
 from kvtier.kv.pool import PagePool
 from kvtier.layers.attention import AttentionBackend
+
+
+@dataclass
+class Feed:
+    """Input ids a step takes from a device tensor instead of the host: row dst[i] of the step
+    (a decode: one token a row) reads tokens[src[i]]. dst / src None: rows 0..n-1 read
+    tokens[0..n-1] (the common case: the same sequences in the same order as the step before)."""
+
+    tokens: torch.Tensor  # [rows of the step before] int64, on the device
+    n: int
+    dst: torch.Tensor | None = None
+    src: torch.Tensor | None = None
+
+    def apply(self, input_ids: torch.Tensor) -> None:
+        if self.dst is None:
+            input_ids[:self.n].copy_(self.tokens[:self.n])
+        else:
+            input_ids.index_copy_(0, self.dst, self.tokens.index_select(0, self.src))
 
 
 class ModelRunner:
@@ -67,18 +87,23 @@ class ModelRunner:
                 self.backend.pages_arrived(dst, src)
 
     @torch.inference_mode()
-    def execute(self, batch: Batch) -> torch.Tensor:
-        """Run one step. Returns fp32 logits [n_sampled, vocab], in batch order."""
+    def execute(self, batch: Batch, feed: Feed | None = None) -> torch.Tensor:
+        """Run one step. Returns fp32 logits [n_sampled, vocab], in batch order.
+        feed: input ids still on the device (sampled by the step before, overlap scheduling)."""
         self.run_transfers(batch)
         size = self._graph_size(batch)
         if size is not None:
             step = self.planner.plan(batch, pad_to=size, max_seq_len=self.max_model_len)
+            if feed is not None:
+                feed.apply(self.planner.input_ids)
             self.backend.plan(step.meta)  # what the backend stages for the step (the graph reads it)
             host = step.meta.reads_host
             self.graph_steps += 1
             self.host_graph_steps += host
             return self.graphs.replay(size, len(batch.seqs), host)  # type: ignore[union-attr]
         step = self.planner.plan(batch)
+        if feed is not None:
+            feed.apply(self.planner.input_ids)
         self.backend.plan(step.meta)
         logits = self.model(step.input_ids, step.positions, step.meta, self.backend)
         return logits.float()

@@ -60,7 +60,8 @@ def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torc
     return gen
 
 
-def _needs_penalties(p: SamplingParams) -> bool:
+def needs_history(p: SamplingParams) -> bool:
+    """The row's penalties read its token history (so its last token must be known)."""
     return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
 
 
@@ -198,7 +199,7 @@ def _prepare(logits: torch.Tensor, params: Sequence[SamplingParams],
         if len(masks) != len(params):
             raise ValueError("need one mask (or None) per row")
         apply_masks(out, masks)
-    if any(_needs_penalties(p) for p in params):
+    if any(needs_history(p) for p in params):
         if history is None or len(history) != len(params):
             raise ValueError("penalties need one history list per row")
         apply_penalties(out, params, history, prompt_lens)
@@ -240,7 +241,7 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams],
     if len(generators) != B:
         raise ValueError("need one generator (or None) per row")
     no_masks = masks is None or all(m is None for m in masks)
-    if no_masks and all(p.temperature == 0.0 and not _needs_penalties(p) for p in params):
+    if no_masks and all(p.temperature == 0.0 and not needs_history(p) for p in params):
         return logits.argmax(dim=1)  # fast path: plain greedy batch
     out = _prepare(logits, params, history, masks, prompt_lens)
     tokens = out.argmax(dim=1)  # [B]; final for greedy rows

@@ -25,7 +25,7 @@ def make_engine(smol_parts):
     model, tok = smol_parts
 
     def make(**cache_kw) -> Engine:
-        eng_kw = {k: cache_kw.pop(k) for k in ("max_batch", "prefill_chunk") if k in cache_kw}
+        eng_kw = {k: cache_kw.pop(k) for k in ("max_batch", "prefill_chunk", "overlap") if k in cache_kw}
         cfg = EngineConfig(device="cpu", dtype="fp32",
                            cache=CacheConfig(**{"num_pages": 256, "page_size": 16, **cache_kw}), **eng_kw)
         return Engine(model, tok, cfg, model_name="smollm2-135m")
