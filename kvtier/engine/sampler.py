@@ -60,6 +60,16 @@ def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torc
     return gen
 
 
+def _on(values: Sequence, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Per-row values as a tensor on `device` without waiting for the device: a CUDA copy goes
+    from pinned memory, asynchronously (a plain torch.tensor(..., device=cuda) synchronizes the
+    stream, which would stall overlap scheduling's next step, engine/engine.py)."""
+    t = torch.tensor(values, dtype=dtype)
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 def needs_history(p: SamplingParams) -> bool:
     """The row's penalties read its token history (so its last token must be known)."""
     return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
@@ -130,7 +140,7 @@ def filter_logits(logits: torch.Tensor, params: Sequence[SamplingParams]) -> tor
     """Temperature, then top_k, top_p, min_p (HF order); returns new [B, V] logits
     with filtered-out tokens at -inf. Rows must have temperature > 0."""
     dev = logits.device
-    temp = torch.tensor([p.temperature for p in params], dtype=logits.dtype, device=dev)
+    temp = _on([p.temperature for p in params], logits.dtype, dev)
     out = logits / temp.unsqueeze(1)  # [B, V]
     V = out.shape[1]
     use_k = any(p.top_k > 0 for p in params)
@@ -138,12 +148,12 @@ def filter_logits(logits: torch.Tensor, params: Sequence[SamplingParams]) -> tor
     if use_k or use_p:
         sorted_logits = _top_sorted(out, params)  # [B, W]: each row's W largest, descending
         if use_k:
-            k = torch.tensor([min(p.top_k, V) if p.top_k > 0 else V for p in params], device=dev)
+            k = _on([min(p.top_k, V) if p.top_k > 0 else V for p in params], torch.int64, dev)
             kth = sorted_logits.gather(1, (k - 1).unsqueeze(1))  # [B, 1]
             out = out.masked_fill(out < kth, NEG_INF)
             sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, NEG_INF)
         if use_p:
-            top_p = torch.tensor([p.top_p for p in params], dtype=logits.dtype, device=dev)
+            top_p = _on([p.top_p for p in params], logits.dtype, dev)
             # normalised over the whole (top-k filtered) row: sorted_logits may hold only its top ranks
             sorted_probs = (sorted_logits - out.logsumexp(dim=1, keepdim=True)).exp()
             before = sorted_probs.cumsum(dim=1) - sorted_probs  # mass strictly above each rank
@@ -154,7 +164,7 @@ def filter_logits(logits: torch.Tensor, params: Sequence[SamplingParams]) -> tor
             cutoff = sorted_logits.gather(1, last)
             out = out.masked_fill(out < cutoff, NEG_INF)
     if any(p.min_p > 0.0 for p in params):
-        min_p = torch.tensor([p.min_p for p in params], dtype=logits.dtype, device=dev)
+        min_p = _on([p.min_p for p in params], logits.dtype, dev)
         probs = out.softmax(dim=1)
         threshold = probs.max(dim=1, keepdim=True).values * min_p.unsqueeze(1)
         out = out.masked_fill(probs < threshold, NEG_INF)
@@ -173,7 +183,7 @@ def _top_sorted(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch
     top_p, else all V (the exact result either way: ranks past W are never kept)."""
     v = logits.shape[1]
     w = max([TOP_SORTED] + [p.top_k for p in params])
-    if w >= v:
+    if w >= v or logits.is_cuda:  # a GPU sorts a vocabulary in microseconds; the check below would sync
         return logits.sort(dim=1, descending=True).values
     top = logits.topk(w, dim=1).values  # sorted, descending
     rows = [b for b, p in enumerate(params) if p.top_p < 1.0]
@@ -248,15 +258,19 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams],
     sampled = [b for b, p in enumerate(params) if p.temperature > 0.0]
     if not sampled:
         return tokens
-    s = torch.tensor(sampled, device=out.device)
-    probs = filter_logits(out[s], [params[b] for b in sampled]).softmax(dim=1)  # [S, V]
+    every = len(sampled) == B
+    s = None if every else _on(sampled, torch.int64, out.device)
+    probs = filter_logits(out if every else out[s], [params[b] for b in sampled]).softmax(dim=1)  # [S, V]
     # inverse CDF: one uniform draw per row against the cumulative mass (fp64), the first token
     # whose cumulative mass passes it. One draw instead of V exponentials (0.73 ms a step for a
     # 49K vocabulary on a CPU core); a token of zero probability is never passed over to.
     u = torch.empty(len(sampled), 1, dtype=torch.float64, device=probs.device)
     shared = [i for i, b in enumerate(sampled) if generators[b] is None]
-    if shared:
-        u[shared] = torch.rand(len(shared), 1, dtype=torch.float64, device=probs.device)
+    if len(shared) == len(sampled):
+        u = torch.rand(len(sampled), 1, dtype=torch.float64, device=probs.device)
+    elif shared:
+        u[_on(shared, torch.int64, probs.device)] = torch.rand(len(shared), 1, dtype=torch.float64,
+                                                               device=probs.device)
     for i, b in enumerate(sampled):
         if generators[b] is not None:
             u[i] = torch.rand(1, dtype=torch.float64, device=probs.device, generator=generators[b])
@@ -264,5 +278,8 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams],
     pick = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).clamp_(max=probs.shape[1] - 1)  # [S, 1]
     # u * total rounding up to the total can only pass the last token: fall back to the likeliest
     ok = probs.gather(1, pick) > 0
-    tokens[s] = torch.where(ok, pick, probs.argmax(dim=1, keepdim=True)).squeeze(1)
+    drawn = torch.where(ok, pick, probs.argmax(dim=1, keepdim=True)).squeeze(1)
+    if every:
+        return drawn
+    tokens[s] = drawn
     return tokens

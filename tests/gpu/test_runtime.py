@@ -45,10 +45,12 @@ def pair(request, tmp_path_factory):
     return hf.to(CUDA).eval(), Decoder.from_tensors(spec, tensors, torch.float32, CUDA)
 
 
-def make_engine(model, kv: str = "fp32", backend: str = "auto", graphs: str = "auto", **kw) -> Engine:
-    cfg = EngineConfig(device=CUDA, dtype="fp32", max_batch=kw.pop("max_batch", 8), attention_backend=backend,
-                       cuda_graphs=graphs, cache=CacheConfig(kv_dtype=kv, num_pages=kw.pop("num_pages", 96),
-                                                             page_size=16, **kw))
+def make_engine(model, kv: str = "fp32", backend: str = "auto", graphs: str = "auto", overlap: str = "auto",
+                **kw) -> Engine:
+    max_batch = kw.pop("max_batch", 8)
+    cache = CacheConfig(kv_dtype=kv, num_pages=kw.pop("num_pages", 96), page_size=16, **kw)
+    cfg = EngineConfig(device=CUDA, dtype="fp32", max_batch=max_batch, attention_backend=backend,
+                       cuda_graphs=graphs, overlap=overlap, cache=cache)
     return Engine(model, None, cfg, model_name="random")
 
 
@@ -122,3 +124,35 @@ def test_host_tier_forced_equals_gpu_only(pair, kv):
     assert greedy(small, ps) == big
     stats = small.stats()["cache"]
     assert stats.get("swaps_out", 0) + stats.get("offloads", 0) > 0, stats
+
+
+def test_overlap_scheduling_equals_synchronous(pair):
+    """Decode steps launched before the step before them is read back (overlap scheduling) give the
+    synchronous loop's tokens, greedy and seeded, with rows ending at different steps."""
+    _, model = pair
+    ps = prompts()
+    eng = make_engine(model, overlap="on")
+    assert greedy(eng, ps) == greedy(make_engine(model, overlap="off"), ps)
+    assert eng.overlap_steps > GEN // 2 and eng.runner.graph_steps > GEN // 2
+    a = greedy(make_engine(model, overlap="on"), ps[:3], temperature=0.8, seed=7)
+    assert a == greedy(make_engine(model, overlap="off"), ps[:3], temperature=0.8, seed=7)
+
+
+def test_sampling_does_not_synchronize():
+    """The sampler issues no host-device synchronization (a chained step's sampling must not wait
+    for the GPU): greedy, temperature with top-k / top-p / min-p, seeded and not, mixed rows."""
+    from kvtier.engine.sampler import make_generator, sample
+
+    logits = torch.randn(4, 1000, device=CUDA)
+    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.7, top_p=0.9),
+              SamplingParams(temperature=1.0, top_k=20, seed=3), SamplingParams(temperature=0.5, min_p=0.1)]
+    gens = [None, None, make_generator(3, CUDA), None]
+    sample(logits, params, gens)  # first call: lazy init outside the check
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        sample(logits, params, gens)
+        sample(logits[1:2], params[1:2], gens[1:2])
+        sample(logits, [SamplingParams(temperature=0.0)] * 4, [None] * 4)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
