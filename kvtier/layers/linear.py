@@ -110,8 +110,8 @@ class Linear(torch.nn.Module):
         q, sz = quantize_groups_int4(self.weight.data, group)
         if VNNIWeight.supports(q.shape[1], group, 4):  # the same codes and scales, multiplied by the VNNI kernel
             scale = sz[..., 0].t().float()
-            packed = VNNIWeight.build(tuple(q.shape), group, 4, scale, sz[..., 1].t().float() - INT4_OFFSET * scale,
-                                      lambda r0, r1: q[r0:r1])
+            minv = sz[..., 1].t().float() - INT4_OFFSET * scale
+            packed = VNNIWeight.build(tuple(q.shape), group, 4, lambda r0, r1: (q[r0:r1], scale[r0:r1], minv[r0:r1]))
             if packed is not None:
                 self.qv = packed
                 return

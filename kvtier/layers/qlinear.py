@@ -63,9 +63,8 @@ Q4V_BLOCK = 16
 # K = 8960 stay near 55 MB (the load's peak memory; tools/rss_load.py).
 VNNI_PACK_ROWS = 64
 # Columns a layout's word spans (q4v, q5v's fifth-bit words, q8v): a group must be a multiple.
-VNNI_GROUP_MULTIPLE = {4: 8, 5: 32, 8: 4}
-INT8_CODE_OFFSET = 128  # 8-bit codes are held as unsigned bytes (VNNI multiplies u8 x s8)
-INT5_CODE_OFFSET = 16  # 5-bit codes (GGUF Q5_0: -16..15) as 0..31
+VNNI_GROUP_MULTIPLE = {4: 8, 5: 32, 6: 16, 8: 4}
+INT8_CODE_OFFSET = 128  # signed codes are held as unsigned bytes (VNNI multiplies u8 x s8): + 2^(bits-1)
 # VNNIWeight keeps scales / mins in fp16 when that rounds each no worse than bf16 would (2^-9
 # relative); a matrix with values outside fp16's range keeps Int4PackCPU.
 FP16_SCALE_RTOL = 2.0 ** -9
@@ -208,12 +207,14 @@ class VNNIWeight(PackedWeight):
         n, k = shape
         nb = -(-n // Q4V_BLOCK)
         self.shape, self.group, self.bits = (n, k), group, bits
-        self.per_word = 4 if bits == 8 else 8  # 5-bit: the low four bits as 4-bit words
+        self.per_word = 4 if bits == 8 else 8  # 5- and 6-bit: the low four bits as 4-bit words
         self.register_buffer("codes", torch.zeros(nb, k // self.per_word, Q4V_BLOCK, dtype=torch.int32),
                              persistent=False)
-        # 5-bit: the fifth bits, one int32 per lane and 32 columns (kernels/csrc/cpu_ops.cpp qv_gemm)
-        self.register_buffer("hbits", torch.zeros(nb, k // 32, Q4V_BLOCK, dtype=torch.int32) if bits == 5 else None,
-                             persistent=False)
+        # 5- / 6-bit: the fifth (and sixth) bits, one int32 per lane, 32 columns and plane
+        # (kernels/csrc/cpu_ops.cpp qv_gemm)
+        self.planes = bits - 4 if bits in (5, 6) else 0
+        self.register_buffer("hbits", torch.zeros(nb, k // 32, self.planes, Q4V_BLOCK, dtype=torch.int32)
+                             if self.planes else None, persistent=False)
         self.register_buffer("sm", torch.zeros(nb, k // group, 2, Q4V_BLOCK, dtype=torch.float16), persistent=False)
 
     @staticmethod
@@ -221,43 +222,59 @@ class VNNIWeight(PackedWeight):
         """Whether the kernel is built here (AVX512-VNNI CPU) and takes this K / group."""
         ops = cpu_ops.ops()
         need = VNNI_GROUP_MULTIPLE.get(bits)
-        return need is not None and ops is not None and ops.qv_supported() and group % need == 0 and k % group == 0
+        return (need is not None and ops is not None and ops.qv_supported() and group % need == 0 and k % group == 0
+                and (bits not in (5, 6) or k % 32 == 0))
 
     @staticmethod
     def layout_of(qw: QuantWeight) -> tuple[int, int]:
-        """(bits, code offset) a QuantWeight is held in: 4-bit as is, 8-bit codes of -16..15 (Q5_0)
-        as 5 bits + 16 where its groups span whole 32-column words, other 8-bit codes + 128."""
+        """(bits, code offset) a QuantWeight is held in: 4-bit as is; 8-bit codes in the fewest bits
+        that hold their range (5: GGUF Q5_0 / Q5_1, groups spanning whole 32-column words; 6: Q6_K,
+        groups of 16 or more; else 8). Codes that are already unsigned keep offset 0, so the min
+        stays the file's own (an offset moves it by offset x scale, rounded to fp16)."""
         if qw.bits == 4:
             return 4, 0
-        if qw.group % VNNI_GROUP_MULTIPLE[5] == 0 and fits_5_bits(qw):
-            return 5, INT5_CODE_OFFSET
-        return 8, INT8_CODE_OFFSET
+        lo, hi = int(qw.qweight.amin()), int(qw.qweight.amax())
+        for bits in (5, 6):
+            top = 1 << bits
+            if qw.shape[1] % 32 or qw.group % VNNI_GROUP_MULTIPLE[bits]:
+                continue
+            if lo >= 0 and hi < top:
+                return bits, 0
+            if lo >= -top // 2 and hi < top // 2:
+                return bits, top // 2
+        return 8, 0 if lo >= 0 else INT8_CODE_OFFSET
 
     @classmethod
-    def build(cls, shape: tuple[int, int], group: int, bits: int, scale: torch.Tensor, minv: torch.Tensor,
-              fill: Callable[[int, int], torch.Tensor]) -> "VNNIWeight | None":
-        """scale, minv fp32 [N, K / G]; fill(r0, r1) -> codes [r1 - r0, K] (0 .. 2^bits - 1) of those
-        rows. None when fp16 would hold a scale or min less precisely than bf16 does (out of its range)."""
-        s16, m16 = scale.to(torch.float16), minv.to(torch.float16)
-        for a, b in ((scale, s16), (minv, m16)):
-            if not bool(((b.float() - a).abs() <= a.abs() * FP16_SCALE_RTOL).all()):
-                return None
+    def build(cls, shape: tuple[int, int], group: int, bits: int,
+              chunk: Callable[[int, int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> "VNNIWeight | None":
+        """chunk(r0, r1) -> (codes [r1 - r0, K] in 0 .. 2^bits - 1, scale, min fp32 [r1 - r0, K / G]) of
+        those rows, asked for VNNI_PACK_ROWS rows at a time (no whole-matrix temporaries: a load's
+        peak memory). None when fp16 would hold a scale or min less precisely than bf16 does (out of
+        its range)."""
         out = cls(shape, group, bits)
         for r0 in range(0, shape[0], VNNI_PACK_ROWS):
             r1 = min(shape[0], r0 + VNNI_PACK_ROWS)
-            out._pack_rows(r0, fill(r0, r1), s16[r0:r1], m16[r0:r1])
+            codes, scale, minv = chunk(r0, r1)
+            s16, m16 = scale.to(torch.float16), minv.to(torch.float16)
+            for a, b in ((scale, s16), (minv, m16)):
+                if not bool(((b.float() - a).abs() <= a.abs() * FP16_SCALE_RTOL).all()):
+                    return None
+            out._pack_rows(r0, codes, s16, m16)
         return out
 
     @classmethod
     def from_qweight(cls, qw: QuantWeight) -> "VNNIWeight | None":
-        """A 4-bit (codes 0..15) or 8-bit (int8 codes, stored + 128) QuantWeight, codes untouched."""
-        scale = qw.scales.float()
-        minv = qw.mins.float() if qw.mins is not None else torch.zeros_like(scale)
+        """A 4-bit (codes 0..15) or 8-bit (int8 codes, stored + offset) QuantWeight, codes untouched."""
         bits, offset = cls.layout_of(qw)
-        if bits == 4:
-            return cls.build(qw.shape, qw.group, 4, scale, minv, lambda r0, r1: unpack_int4(qw.qweight[r0:r1]))
-        return cls.build(qw.shape, qw.group, bits, scale, minv - offset * scale,
-                         lambda r0, r1: qw.qweight[r0:r1].to(torch.int32) + offset)
+
+        def chunk(r0: int, r1: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+            scale = qw.scales[r0:r1].float()
+            minv = qw.mins[r0:r1].float() if qw.mins is not None else torch.zeros_like(scale)
+            if bits == 4:
+                return unpack_int4(qw.qweight[r0:r1]), scale, minv
+            return qw.qweight[r0:r1].to(torch.int32) + offset, scale, minv - offset * scale
+
+        return cls.build(qw.shape, qw.group, bits, chunk)
 
     @classmethod
     def for_qweight(cls, qw: QuantWeight) -> "VNNIWeight | None":
@@ -274,9 +291,10 @@ class VNNIWeight(PackedWeight):
         q = torch.zeros(rp, k, dtype=torch.int64)
         q[:r] = codes
         b0, nb = r0 // Q4V_BLOCK, rp // Q4V_BLOCK
-        if self.bits == 5:  # bit 8 i + 2 t + p of word c <- the fifth bit of column 32 c + 8 t + 2 i + p
-            high = (q >> 4).view(rp, k // 32, 4, 4, 2).permute(0, 1, 3, 2, 4).reshape(rp, k // 32, 32)
-            self.hbits[b0:b0 + nb] = _words(high, 1).view(nb, Q4V_BLOCK, k // 32).transpose(1, 2)
+        for plane in range(self.planes):  # bit 8 i + 2 t + p of word c <- bit 4 (+ plane) of column 32 c + 8 t + 2 i + p
+            high = ((q >> (4 + plane)) & 1).view(rp, k // 32, 4, 4, 2).permute(0, 1, 3, 2, 4).reshape(rp, k // 32, 32)
+            self.hbits[b0:b0 + nb, :, plane] = _words(high, 1).view(nb, Q4V_BLOCK, k // 32).transpose(1, 2)
+        if self.planes:
             q = q & 0xF
         words = _words(q.view(rp, k // pw, pw), 32 // pw)  # [Rp, K / W]
         self.codes[b0:b0 + nb] = words.view(nb, Q4V_BLOCK, k // pw).transpose(1, 2)
@@ -303,23 +321,25 @@ class VNNIWeight(PackedWeight):
         return y if residual is None else residual + y
 
     def _codes_of(self, words: torch.Tensor, high: torch.Tensor | None) -> torch.Tensor:
-        """words int32 [..., K / W] (and 5-bit: high [..., K / 32]) -> codes int64 [..., K]."""
+        """words int32 [..., K / W] (and 5- / 6-bit: high [..., K / 32, planes]) -> codes int64 [..., K]."""
         pw = self.per_word
         q = (words.unsqueeze(-1).long() >> self._shifts()) & ((1 << (32 // pw)) - 1)
         q = q.reshape(*words.shape[:-1], -1)
         if high is not None:
-            bits = (high.unsqueeze(-1).long() >> torch.arange(32)) & 1  # [..., K / 32, 32] by bit position
-            bits = bits.view(*high.shape, 4, 4, 2).transpose(-3, -2)  # bit 8 i + 2 t + p -> column 8 t + 2 i + p
-            q = q | (bits.reshape(q.shape) << 4)
+            for plane in range(high.shape[-1]):
+                h = high[..., plane]
+                bits = (h.unsqueeze(-1).long() >> torch.arange(32)) & 1  # [..., K / 32, 32] by bit position
+                bits = bits.view(*h.shape, 4, 4, 2).transpose(-3, -2)  # bit 8 i + 2 t + p -> column 8 t + 2 i + p
+                q = q | (bits.reshape(q.shape) << (4 + plane))
         return q
 
     def _unpack(self, blocks: torch.Tensor, high: torch.Tensor | None, sm: torch.Tensor,
                 dtype: torch.dtype) -> torch.Tensor:
-        """blocks int32 [B, K / W, 16] (5-bit: high [B, K / 32, 16]), their sm [B, G, 2, 16] -> dense
-        rows [B * 16, K] in dtype."""
+        """blocks int32 [B, K / W, 16] (5- / 6-bit: high [B, K / 32, planes, 16]), their sm [B, G, 2, 16] ->
+        dense rows [B * 16, K] in dtype."""
         b, words, _ = blocks.shape
         k = words * self.per_word
-        q = self._codes_of(blocks.transpose(1, 2), None if high is None else high.transpose(1, 2))  # [B, 16, K]
+        q = self._codes_of(blocks.transpose(1, 2), None if high is None else high.permute(0, 3, 1, 2))  # [B, 16, K]
         q = q.reshape(b * Q4V_BLOCK, k // self.group, self.group)
         scale = sm[:, :, 0].permute(0, 2, 1).reshape(b * Q4V_BLOCK, -1, 1).float()
         minv = sm[:, :, 1].permute(0, 2, 1).reshape(b * Q4V_BLOCK, -1, 1).float()
@@ -336,7 +356,7 @@ class VNNIWeight(PackedWeight):
     def rows(self, idx: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Only the asked rows are unpacked (the lm_head's top candidates, a tied embedding's tokens)."""
         blocks, lanes = idx // Q4V_BLOCK, idx % Q4V_BLOCK
-        q = self._codes_of(self.codes[blocks, :, lanes], None if self.hbits is None else self.hbits[blocks, :, lanes])
+        q = self._codes_of(self.codes[blocks, :, lanes], None if self.hbits is None else self.hbits[blocks, :, :, lanes])
         sm = self.sm[blocks, :, :, lanes].float()  # [T, G, 2]
         q = q.reshape(idx.shape[0], -1, self.group).float()
         return torch.addcmul(sm[..., 1:], q, sm[..., :1]).reshape(idx.shape[0], -1).to(dtype)

@@ -29,7 +29,7 @@ from kvtier.layers.attention import AttentionBackend, AttentionMetadata
 from kvtier.layers.linear import FOUR_BIT_SOURCES, Linear, int4_gemv_supported
 from kvtier.layers.mlp import GatedMLP
 from kvtier.layers.norm import RMSNorm
-from kvtier.layers.qlinear import QuantLinear, QuantRef, Scratch, make_linear
+from kvtier.layers.qlinear import QuantLinear, QuantRef, Scratch, VNNIWeight, make_linear
 from kvtier.layers.qweight import QuantWeight
 from kvtier.layers.rotary import RotaryEmbedding
 from kvtier.models.loading.base import LazyTensors, loading_heap, release_free_memory
@@ -146,7 +146,12 @@ class TokenEmbedding(torch.nn.Module):
         super().__init__()
         self.dtype = dtype
         self.weight = None if not isinstance(table, torch.Tensor) else torch.nn.Parameter(table, requires_grad=False)
-        self.table = QuantRef(table) if isinstance(table, QuantWeight) else None
+        self.table = None
+        if isinstance(table, QuantWeight):
+            # CPU: the VNNI layout where it holds the codes in fewer bytes (a Q5_0 / Q6_K table:
+            # 5 / 6 bits, not 8); its rows are the same values (tests/layers/test_cpu_ops.py)
+            packed = VNNIWeight.for_qweight(table) if table.device.type == "cpu" else None
+            self.table = packed if packed is not None and packed.nbytes() < table.nbytes() else QuantRef(table)
         # a tied QuantLinear stays out of this module's tree (it is the decoder's head)
         self.head_rows = table.rows if isinstance(table, QuantLinear) else None
 

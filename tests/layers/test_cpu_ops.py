@@ -147,22 +147,24 @@ def test_paged_decode_checks_its_tables(ops):
 
 
 def _qweight(n: int, k: int, group: int, seed: int, bits: int = 4):
-    """A QuantWeight with fp16 scales: 4-bit (with mins), 8-bit, or 5-bit (8-bit codes in -16..15, GGUF Q5_0's)."""
+    """A QuantWeight with fp16 scales: 4-bit (with mins), 8-bit, or 5- / 6-bit (8-bit codes in -16..15 /
+    -32..31, GGUF Q5_0's / Q6_K's)."""
     from kvtier.layers.qweight import QuantWeight, quantize_rtn
 
     g = torch.Generator().manual_seed(seed)
     w = torch.randn(n, k, generator=g) * 0.05 + 0.01
-    if bits != 5:
+    if bits not in (5, 6):
         return quantize_rtn(w, bits, group)
+    half = 1 << (bits - 1)
     grouped = w.reshape(n, k // group, group)
-    scale = (grouped.abs().amax(-1) / 16).half()
-    q = torch.round(grouped / scale.float()[..., None]).clamp_(-16, 15)
+    scale = (grouped.abs().amax(-1) / half).half()
+    q = torch.round(grouped / scale.float()[..., None]).clamp_(-half, half - 1)
     return QuantWeight(8, group, q.reshape(n, k).to(torch.int8), scale, None)
 
 
 # (bits, n, k, group): every layout with groups it takes (4-bit words span 8 columns, 5-bit's
-# fifth bits 32, 8-bit words 4)
-VNNI_CASES = [(b, n, k, g) for b in (4, 5, 8)
+# fifth bits 32, 6-bit groups 16 (GGUF Q6_K's), 8-bit words 4)
+VNNI_CASES = [(b, n, k, g) for b in (4, 5, 6, 8)
               for n, k, g in ((16, 64, 32), (40, 96, 32), (100, 128, 64), (300, 576, 32), (40, 64, 16))
               if g % VNNI_GROUP_MULTIPLE[b] == 0]
 

@@ -619,6 +619,8 @@ inline void qv_block(const XParts& xp, const int32_t* blk, const int32_t* hb, co
                      int64_t words, int64_t groups, int64_t wpg, float* rows_out) {
   const __m512i nib = _mm512_set1_epi32(0x0F0F0F0F);
   const __m512i bit4 = _mm512_set1_epi32(0x10101010);
+  const __m512i bit5 = _mm512_set1_epi32(0x20202020);
+  constexpr int64_t planes = BITS == 6 ? 2 : 1;  // high-bit planes of q5v / q6v
   __m512 acc[MR];
   for (int i = 0; i < MR; ++i) acc[i] = _mm512_setzero_ps();
   for (int64_t g = 0; g < groups; ++g) {
@@ -626,17 +628,25 @@ inline void qv_block(const XParts& xp, const int32_t* blk, const int32_t* hb, co
     for (int i = 0; i < MR; ++i) ah[i] = al[i] = _mm512_setzero_si512();
     for (int64_t j = g * wpg; j < (g + 1) * wpg; ++j) {
       const __m512i w = _mm512_loadu_si512(blk + j * 16);
-      if constexpr (BITS == 4 || BITS == 5) {
+      if constexpr (BITS == 4 || BITS == 5 || BITS == 6) {
         __m512i even = _mm512_and_si512(w, nib);
         __m512i odd = _mm512_and_si512(_mm512_srli_epi32(w, 4), nib);
-        if constexpr (BITS == 5) {  // the fifth bits: slot 2 t (+ 1 odd) of each byte of word j / 4
-          const __m512i h = _mm512_loadu_si512(hb + (j / 4) * 16);
+        if constexpr (BITS != 4) {  // the high bits: slot 2 t (+ 1 odd) of each byte of word j / 4, per plane
           const int t = static_cast<int>(j % 4);
           const int se = 4 - 2 * t, so = 3 - 2 * t;  // left shifts that move each slot to bit 4
+          const __m512i h = _mm512_loadu_si512(hb + (j / 4) * 16 * planes);
           const __m512i he = se >= 0 ? _mm512_sll_epi32(h, _mm_cvtsi32_si128(se)) : _mm512_srl_epi32(h, _mm_cvtsi32_si128(-se));
           const __m512i ho = so >= 0 ? _mm512_sll_epi32(h, _mm_cvtsi32_si128(so)) : _mm512_srl_epi32(h, _mm_cvtsi32_si128(-so));
           even = _mm512_ternarylogic_epi32(even, he, bit4, 0xF8);  // even | (he & bit4)
           odd = _mm512_ternarylogic_epi32(odd, ho, bit4, 0xF8);
+          if constexpr (BITS == 6) {  // the sixth bits, from the second plane, to bit 5
+            const __m512i h2 = _mm512_loadu_si512(hb + (j / 4) * 32 + 16);
+            const int se2 = se + 1, so2 = so + 1;
+            const __m512i he2 = se2 >= 0 ? _mm512_sll_epi32(h2, _mm_cvtsi32_si128(se2)) : _mm512_srl_epi32(h2, _mm_cvtsi32_si128(-se2));
+            const __m512i ho2 = so2 >= 0 ? _mm512_sll_epi32(h2, _mm_cvtsi32_si128(so2)) : _mm512_srl_epi32(h2, _mm_cvtsi32_si128(-so2));
+            even = _mm512_ternarylogic_epi32(even, he2, bit5, 0xF8);
+            odd = _mm512_ternarylogic_epi32(odd, ho2, bit5, 0xF8);
+          }
         }
         for (int i = 0; i < MR; ++i) {
           const int64_t o = (m0 + i) * words + j;
@@ -675,7 +685,7 @@ void qv_rows(const XParts& xp, const int32_t* codes, const int32_t* hbits, const
     alignas(64) float rows[4 * 16];
     for (int64_t b = b0; b < b1; ++b) {
       const int32_t* blk = codes + b * words * 16;
-      const int32_t* hb = hbits == nullptr ? nullptr : hbits + b * (k / 32) * 16;
+      const int32_t* hb = hbits == nullptr ? nullptr : hbits + b * (k / 32) * 16 * (BITS == 6 ? 2 : 1);
       const Half* smb = sm + b * groups * 32;
       const int64_t valid = std::min<int64_t>(16, n - b * 16);
       for (int64_t m0 = 0; m0 < m_rows;) {
@@ -712,19 +722,23 @@ bool qv_supported() {
 
 // x [M, K] @ W^T with W in the q4v (bits 4), q5v (bits 5: q4v codes of the low four bits and
 // `hbits` int32 [ceil(N / 16), K / 32, 16], the fifth bit of column 32 c + 8 t + 2 i + p at bit
-// 8 i + 2 t + p of lane r's word c) or q8v (bits 8) layout: see the comment above XParts.
+// 8 i + 2 t + p of lane r's word c), q6v (bits 6: hbits [ceil(N / 16), K / 32, 2, 16], plane 0 the
+// fifth bits, plane 1 the sixth, each placed as q5v's) or q8v (bits 8) layout: see the comment
+// above XParts.
 at::Tensor qv_gemm(const at::Tensor& x, const at::Tensor& codes, const c10::optional<at::Tensor>& hbits,
                    const at::Tensor& sm, int64_t group, int64_t n, int64_t bits,
                    const c10::optional<at::Tensor>& residual) {
 #if defined(__AVX512F__) && defined(__AVX512VNNI__)
   check_cpu(x, "x");
-  TORCH_CHECK(bits == 4 || bits == 5 || bits == 8, "qv_gemm: 4-, 5- or 8-bit codes");
+  TORCH_CHECK(bits == 4 || bits == 5 || bits == 6 || bits == 8, "qv_gemm: 4-, 5-, 6- or 8-bit codes");
   TORCH_CHECK(x.dim() == 2, "qv_gemm: x [M, K]");
   const int64_t m = x.size(0), k = x.size(1), blocks = (n + 15) / 16, per_word = bits == 8 ? 4 : 8;
-  TORCH_CHECK((bits == 5) == hbits.has_value(), "qv_gemm: 5-bit codes come with their fifth bits, others without");
-  if (bits == 5) {
-    TORCH_CHECK(group % 32 == 0 && hbits->scalar_type() == at::kInt && hbits->is_contiguous() &&
-                    hbits->numel() == blocks * (k / 32) * 16, "qv_gemm: int32 fifth bits [ceil(N / 16), K / 32, 16]");
+  const bool high = bits == 5 || bits == 6;
+  TORCH_CHECK(high == hbits.has_value(), "qv_gemm: 5- and 6-bit codes come with their high bits, others without");
+  if (high) {
+    TORCH_CHECK(k % 32 == 0 && hbits->scalar_type() == at::kInt && hbits->is_contiguous() &&
+                    hbits->numel() == blocks * (k / 32) * 16 * (bits - 4),
+                "qv_gemm: int32 high bits [ceil(N / 16), K / 32, (planes,) 16]");
   }
   TORCH_CHECK(group > 0 && group % per_word == 0 && k % group == 0,
               "qv_gemm: groups of a multiple of ", per_word, " columns tiling K");
@@ -745,7 +759,7 @@ at::Tensor qv_gemm(const at::Tensor& x, const at::Tensor& codes, const c10::opti
     xp = x_parts(xf.data_ptr<float>(), m, k, group, bits != 8);
   }
   const int32_t* cp = codes.data_ptr<int32_t>();
-  const int32_t* hp = bits == 5 ? hbits->data_ptr<int32_t>() : nullptr;
+  const int32_t* hp = high ? hbits->data_ptr<int32_t>() : nullptr;
   const Half* sp = sm.data_ptr<Half>();
   auto run = [&](auto bits_tag, auto* y, const auto* res, auto* out) {
     constexpr int B = decltype(bits_tag)::value;
@@ -756,6 +770,7 @@ at::Tensor qv_gemm(const at::Tensor& x, const at::Tensor& codes, const c10::opti
   auto dispatch_bits = [&](auto* y, const auto* res, auto* out) {
     if (bits == 4) run(std::integral_constant<int, 4>{}, y, res, out);
     else if (bits == 5) run(std::integral_constant<int, 5>{}, y, res, out);
+    else if (bits == 6) run(std::integral_constant<int, 6>{}, y, res, out);
     else run(std::integral_constant<int, 8>{}, y, res, out);
   };
   if (residual.has_value()) {
@@ -792,6 +807,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("kv_store", &kv_store, nogil, "K/V rows into a plain page pool layer");
   m.def("paged_decode", &paged_decode, nogil, "one-row-per-sequence attention over paged K/V");
   m.def("silu_mul", &silu_mul, nogil, "silu(gu[:, :I]) * gu[:, I:]");
-  m.def("qv_gemm", &qv_gemm, nogil, "x @ W^T over 4-bit q4v / 5-bit q5v / 8-bit q8v codes (AVX512-VNNI) (+ residual)");
+  m.def("qv_gemm", &qv_gemm, nogil, "x @ W^T over 4-bit q4v / 5-bit q5v / 6-bit q6v / 8-bit q8v codes (AVX512-VNNI) (+ residual)");
   m.def("qv_supported", &qv_supported, "whether qv_gemm was built (AVX512-VNNI)");
 }
