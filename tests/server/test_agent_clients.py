@@ -64,18 +64,26 @@ def _serve(model_path: Path, *extra: str) -> ServerProcess:
 
 
 @pytest.fixture(scope="module")
-def qwen_server(qwen_coder_05b_path):
+def agent_model(qwen_coder_05b_path) -> Path:
+    """The served model: the 0.5B, or the GGUF at KVTIER_AGENT_MODEL (a larger model, run by hand:
+    KVTIER_AGENT_MODEL=~/.cache/kvtier/models/qwen2.5-coder-1.5b.gguf)."""
+    override = os.environ.get("KVTIER_AGENT_MODEL")
+    return Path(override).expanduser() if override else qwen_coder_05b_path
+
+
+@pytest.fixture(scope="module")
+def qwen_server(agent_model):
     """Neither client sends a temperature. Claude Code's turn runs greedy (`--temperature 0`: the
     same every time); Codex's uses the OpenAI default of 1: greedy, the 0.5B model keeps calling
     tools until the run times out (seen with and without the schema-constrained bare calls)."""
-    srv = _serve(qwen_coder_05b_path, "--temperature", "0")
+    srv = _serve(agent_model, "--temperature", "0")
     yield srv
     srv.stop()
 
 
 @pytest.fixture(scope="module")
-def qwen_server_sampled(qwen_coder_05b_path):
-    srv = _serve(qwen_coder_05b_path)
+def qwen_server_sampled(agent_model):
+    srv = _serve(agent_model)
     yield srv
     srv.stop()
 
