@@ -53,6 +53,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvtier.config import RetrievalConfig
+from kvtier.kernels import cpu_ops
 from kvtier.kv.summaries import PageSummaries
 from kvtier.layers.attention import AttentionMetadata, DensePagedAttention, plan_sink_rows
 
@@ -400,6 +401,12 @@ class RetrievalAttention:
             return self._retrieve_kernel(layer, q, sel, idx, ids, valid)
         r, hkv, n_sel = idx.shape
         ps, d = self.store.page_size, q.shape[-1]
+        plain = None if sel.has_host or self.record else self.store.plain_pages(layer)
+        if plain is not None and (ops := cpu_ops.usable(q, plain[0])) is not None:
+            # a plain CPU pool: the C++ kernel reads each kv head's own pages in place
+            self.retrieved_rows += r
+            return ops.paged_decode_lists(q, plain[0], plain[1], ids, torch.where(valid, idx, -1), sel.ctx,
+                                          self.scale, cpu_ops.MIN_SPLIT)
         qn = self.store.native_q(layer, q) if self.native else q
         if not sel.has_host and not self.record:  # each kv head reads only its own pages (as the kernel)
             from kvtier.kernels.retrieval_attention import paged_decode_selected_reference

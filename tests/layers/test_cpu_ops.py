@@ -137,6 +137,44 @@ def test_paged_decode_matches_reference(ops, cache_dtype, lens, min_split):
     _ulps_close(got, ref, cache_dtype, 4 if cache_dtype == torch.float32 else 2)
 
 
+@pytest.mark.parametrize("cache_dtype", DTYPES)
+@pytest.mark.parametrize("hq,hkv,d", [(4, 4, 64), (12, 3, 64), (16, 2, 128)])
+@pytest.mark.parametrize("min_split", [1, 100000])
+def test_paged_decode_lists_matches_the_retrieval_reference(ops, cache_dtype, hq, hkv, d, min_split):
+    """Retrieval decode: each (row, kv head) over its own page list, entries in any order, -1
+    entries, a partial last page anywhere in the list, a page wholly past the context, a kv head
+    with no live entry (zeros), against kernels/retrieval_attention.py's PyTorch reference."""
+    from kvtier.kernels.retrieval_attention import paged_decode_selected_reference
+    from kvtier.kv.formats import make_format
+
+    g = torch.Generator().manual_seed(hq * d + min_split % 7)
+    ps, pages, n = 16, 40, 9
+    kc, vc = _pool(pages, hkv, ps, d, cache_dtype, g)
+    ctx = torch.tensor([300, 37, 16])  # partial last pages (300, 37) and a full one (16)
+    r = len(ctx)
+    ids = torch.randint(0, pages, (r, hkv, n), generator=g)
+    idx = torch.full((r, hkv, n), -1)
+    for b, c in enumerate(ctx.tolist()):
+        last = (c - 1) // ps
+        for h in range(hkv):
+            chosen = torch.randperm(last + 1, generator=g)[:min(n - 1, last + 1)]
+            if last not in chosen.tolist():
+                chosen[0] = last  # the window's last page is always among the fixed pages
+            slots = torch.randperm(n, generator=g)[:len(chosen)]
+            idx[b, h, slots] = chosen
+    idx[0, 0, idx[0, 0] < 0] = 30  # a page wholly past the context: masked
+    idx[2, hkv - 1] = -1  # a kv head with nothing to attend
+    q = (torch.randn(r, hq, d, generator=g) * 2).to(cache_dtype)
+    got = ops.paged_decode_lists(q, kc, vc, ids, idx, ctx, 0.125, min_split)
+    st = {"k": kc, "v": vc}
+    ref = paged_decode_selected_reference(q, st, make_format({torch.float32: "fp32", torch.bfloat16: "bf16",
+                                                              torch.float16: "fp16"}[cache_dtype]),
+                                          ids, idx, None, ctx, 0.125)
+    assert got.dtype == q.dtype
+    assert torch.equal(got[2, (hkv - 1) * (hq // hkv):], torch.zeros_like(got[2, (hkv - 1) * (hq // hkv):]))
+    _ulps_close(got, ref, cache_dtype, 4 if cache_dtype == torch.float32 else 2)
+
+
 def test_paged_decode_checks_its_tables(ops):
     kc, vc = _pool(4, 2, 16, 64, torch.float32, torch.Generator().manual_seed(0))
     q = torch.randn(1, 4, 64)

@@ -150,8 +150,14 @@ def test_codex_tool_turn(qwen_server_sampled, tmp_path):
                f"Run this shell command with the exec_command tool: {TASK}"]
         return _run_client(cmd, workdir, env)
 
-    attempt, runs = _attempts(run, tmp_path / "work", lambda events: any(e.get("type") == "turn.completed"
-                                                                         for e in events))
+    def ran_and_ended(events: list[dict]) -> bool:
+        """The turn ran the command (a model may write the file another way, e.g. apply_patch: not
+        what was asked) and ended."""
+        return (any(e.get("type") == "turn.completed" for e in events)
+                and any(e.get("type") == "item.completed" and e["item"].get("type") == "command_execution"
+                        for e in events))
+
+    attempt, runs = _attempts(run, tmp_path / "work", ran_and_ended)
     statuses = _statuses(qwen_server, "/v1/responses")
     assert statuses and all(s == 200 for s in statuses), statuses
     turns = [e for r in runs for e in r if e.get("type") == "turn.completed"]

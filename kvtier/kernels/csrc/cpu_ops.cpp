@@ -9,6 +9,7 @@
 //   rope_         qkv [T, (Hq + 2 Hkv) D] rotated in place, per-head RMSNorm first (Qwen3)
 //   kv_store      K/V rows -> their slots of a plain (fp32 / bf16 / fp16) page pool
 //   paged_decode  one query row per sequence over its pages, split-K across threads
+//   paged_decode_lists  the same over each kv head's own selected pages (retrieval attention)
 //   silu_mul      gu [T, 2I] -> silu(gu[:, :I]) * gu[:, I:]
 //   q4v_gemm      x @ W^T over 4-bit codes with AVX512-VNNI integer dot products (torch's int4pack
 //                 kernel converts every code to fp32 first: ~1.7x slower at one row)
@@ -356,32 +357,19 @@ void decode_split(const float* q, const C* kc, const C* vc, const int64_t* table
   });
 }
 
-at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                        const at::Tensor& block_table, const at::Tensor& seq_lens, double scale,
-                        int64_t min_split) {
-  check_cpu(q, "q");
-  TORCH_CHECK(q.dim() == 3, "paged_decode: q [B, Hq, D]");
-  TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
-                  v_cache.sizes() == k_cache.sizes() && v_cache.scalar_type() == k_cache.scalar_type(),
-              "paged_decode: contiguous K / V pages [P, Hkv, ps, D] of one dtype");
+// The split-K attention both decode entry points share: row r's query heads of kv head h attend
+// to the first lens[r * ls_r + h * ls_h] positions of the page list at tables + r * ts_r + h * ts_h
+// (position t in page t / ps of that list, row t % ps). Splits per (row, head) spread the work over
+// the threads even for one sequence of few kv heads; their partials merge by log-sum-exp.
+at::Tensor decode_lists(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                        const int64_t* tp, int64_t ts_r, int64_t ts_h, const int64_t* lp, int64_t ls_r,
+                        int64_t ls_h, double scale, int64_t min_split) {
   const int64_t b = q.size(0), hq = q.size(1), d = q.size(2);
-  const int64_t hkv = k_cache.size(1), ps = k_cache.size(2);
-  TORCH_CHECK(k_cache.size(3) == d && hq % hkv == 0, "paged_decode: head_dim / GQA grouping mismatch");
-  auto table = block_table.to(at::kLong).contiguous();
-  auto lens = seq_lens.to(at::kLong).contiguous();
-  TORCH_CHECK(table.dim() == 2 && table.size(0) >= b && lens.numel() >= b, "paged_decode: one table row and length per sequence");
-  const int64_t maxp = table.size(1), pages = k_cache.size(0), g = hq / hkv;
-  const int64_t* tp = table.data_ptr<int64_t>();
-  const int64_t* lp = lens.data_ptr<int64_t>();
+  const int64_t hkv = k_cache.size(1), ps = k_cache.size(2), g = hq / hkv;
   int64_t longest = 0;
-  for (int64_t i = 0; i < b; ++i) {
-    TORCH_CHECK(lp[i] >= 0 && lp[i] <= maxp * ps, "paged_decode: sequence ", i, " longer than its table");
-    for (int64_t p = 0; p < (lp[i] + ps - 1) / ps; ++p)
-      TORCH_CHECK(tp[i * maxp + p] >= 0 && tp[i * maxp + p] < pages, "paged_decode: page id out of range");
-    longest = std::max(longest, lp[i]);
-  }
+  for (int64_t r = 0; r < b; ++r)
+    for (int64_t h = 0; h < hkv; ++h) longest = std::max(longest, lp[r * ls_r + h * ls_h]);
   auto qf = q.to(at::kFloat).contiguous();
-  // Split the context so that every thread has work even for one sequence of few kv heads.
   const int64_t threads = at::get_num_threads();
   int64_t splits = 1;
   if (longest > 0) {
@@ -400,7 +388,8 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at
       std::vector<float> scores, kbuf;
       for (int64_t i = i0; i < i1; ++i) {
         const int64_t s = i % splits, h = (i / splits) % hkv, row = i / (splits * hkv);
-        const int64_t t0 = std::min(lp[row], s * chunk), t1 = std::min(lp[row], (s + 1) * chunk);
+        const int64_t len = lp[row * ls_r + h * ls_h];
+        const int64_t t0 = std::min(len, s * chunk), t1 = std::min(len, (s + 1) * chunk);
         float* part = pp + i * g * (d + 2);
         if (t0 >= t1) {  // an empty split (or an empty sequence): weight zero in the merge
           for (int64_t j = 0; j < g; ++j) {
@@ -410,8 +399,8 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at
           }
           continue;
         }
-        decode_split<scalar_t>(qp + (row * hq + h * g) * d, kc, vc, tp + row * maxp, t0, t1, h, hkv, ps, d, g,
-                               sc, part, scores, kbuf);
+        decode_split<scalar_t>(qp + (row * hq + h * g) * d, kc, vc, tp + row * ts_r + h * ts_h, t0, t1, h, hkv,
+                               ps, d, g, sc, part, scores, kbuf);
       }
     });
   });
@@ -436,14 +425,89 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at
           for (int64_t x = 0; x < d; ++x) acc[x] += w * part[x];
         }
         scalar_t* o = op + (row * hq + head) * d;
-        // an empty sequence (a padding row) attends nothing: zeros, as the reference's
-        // fully masked softmax would give NaN and padding rows are never read
+        // nothing to attend (a padding row, a kv head with no live key): zeros, as the
+        // references give (their fully masked softmax is NaN, set to 0)
         const float inv = total > 0.f ? 1.f / total : 0.f;
         for (int64_t x = 0; x < d; ++x) o[x] = from_f<scalar_t>(acc[x] * inv);
       }
     });
   });
   return direct ? out : out.to(q.scalar_type());
+}
+
+void check_pages(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const char* name) {
+  check_cpu(q, "q");
+  TORCH_CHECK(q.dim() == 3, name, ": q [B, Hq, D]");
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
+                  v_cache.sizes() == k_cache.sizes() && v_cache.scalar_type() == k_cache.scalar_type(),
+              name, ": contiguous K / V pages [P, Hkv, ps, D] of one dtype");
+  TORCH_CHECK(k_cache.size(3) == q.size(2) && q.size(1) % k_cache.size(1) == 0,
+              name, ": head_dim / GQA grouping mismatch");
+}
+
+at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                        const at::Tensor& block_table, const at::Tensor& seq_lens, double scale,
+                        int64_t min_split) {
+  check_pages(q, k_cache, v_cache, "paged_decode");
+  const int64_t b = q.size(0), ps = k_cache.size(2);
+  auto table = block_table.to(at::kLong).contiguous();
+  auto lens = seq_lens.to(at::kLong).contiguous();
+  TORCH_CHECK(table.dim() == 2 && table.size(0) >= b && lens.numel() >= b, "paged_decode: one table row and length per sequence");
+  const int64_t maxp = table.size(1), pages = k_cache.size(0);
+  const int64_t* tp = table.data_ptr<int64_t>();
+  const int64_t* lp = lens.data_ptr<int64_t>();
+  for (int64_t i = 0; i < b; ++i) {
+    TORCH_CHECK(lp[i] >= 0 && lp[i] <= maxp * ps, "paged_decode: sequence ", i, " longer than its table");
+    for (int64_t p = 0; p < (lp[i] + ps - 1) / ps; ++p)
+      TORCH_CHECK(tp[i * maxp + p] >= 0 && tp[i * maxp + p] < pages, "paged_decode: page id out of range");
+  }
+  return decode_lists(q, k_cache, v_cache, tp, maxp, 0, lp, 1, 0, scale, min_split);
+}
+
+// Retrieval decode: each (row, kv head) attends to its own selected pages. page_ids / page_idx
+// [R, Hkv, N]: entry n is page page_ids[.., n], the page_idx[.., n]-th page of its sequence (-1:
+// no entry); positions at or past ctx[r] are masked (only a sequence's last page can hold
+// fewer than ps of them). The live entries are listed with that partial page last, so the
+// list's positions run contiguously for decode_split.
+at::Tensor paged_decode_lists(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                              const at::Tensor& page_ids, const at::Tensor& page_idx, const at::Tensor& ctx,
+                              double scale, int64_t min_split) {
+  check_pages(q, k_cache, v_cache, "paged_decode_lists");
+  const int64_t r = q.size(0), hkv = k_cache.size(1), ps = k_cache.size(2), pages = k_cache.size(0);
+  auto ids = page_ids.to(at::kLong).contiguous();
+  auto idx = page_idx.to(at::kLong).contiguous();
+  auto lens_in = ctx.to(at::kLong).contiguous();
+  TORCH_CHECK(ids.dim() == 3 && ids.size(0) == r && ids.size(1) == hkv && idx.sizes() == ids.sizes() &&
+                  lens_in.numel() == r, "paged_decode_lists: page_ids / page_idx [R, Hkv, N], ctx [R]");
+  const int64_t n = ids.size(2);
+  const int64_t* ip = ids.data_ptr<int64_t>();
+  const int64_t* xp = idx.data_ptr<int64_t>();
+  const int64_t* cp = lens_in.data_ptr<int64_t>();
+  auto table = at::empty({r, hkv, std::max<int64_t>(n, 1)}, ids.options());
+  auto lens = at::empty({r, hkv}, ids.options());
+  int64_t* tp = table.data_ptr<int64_t>();
+  int64_t* lp = lens.data_ptr<int64_t>();
+  for (int64_t i = 0; i < r * hkv; ++i) {
+    const int64_t c = cp[i / hkv];
+    int64_t full = 0, part_page = -1, part_rows = 0;
+    for (int64_t e = 0; e < n; ++e) {
+      const int64_t x = xp[i * n + e];
+      if (x < 0 || x * ps >= c) continue;  // no entry, or a page wholly past the context
+      const int64_t id = ip[i * n + e];
+      TORCH_CHECK(id >= 0 && id < pages, "paged_decode_lists: page id out of range");
+      const int64_t rows = std::min(ps, c - x * ps);
+      if (rows < ps) {
+        TORCH_CHECK(part_page < 0, "paged_decode_lists: two partial pages in one list");
+        part_page = id;
+        part_rows = rows;
+      } else {
+        tp[i * n + full++] = id;
+      }
+    }
+    if (part_page >= 0) tp[i * n + full] = part_page;
+    lp[i] = full * ps + part_rows;
+  }
+  return decode_lists(q, k_cache, v_cache, tp, hkv * n, n, lp, hkv, 1, scale, min_split);
 }
 
 // ------------------------------------------------------------------------------------ silu_mul
@@ -806,6 +870,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rope_", &rope_, nogil, "per-head RMSNorm (optional) + rotary, in place on qkv");
   m.def("kv_store", &kv_store, nogil, "K/V rows into a plain page pool layer");
   m.def("paged_decode", &paged_decode, nogil, "one-row-per-sequence attention over paged K/V");
+  m.def("paged_decode_lists", &paged_decode_lists, nogil, "decode attention over each kv head's own page list");
   m.def("silu_mul", &silu_mul, nogil, "silu(gu[:, :I]) * gu[:, I:]");
   m.def("qv_gemm", &qv_gemm, nogil, "x @ W^T over 4-bit q4v / 5-bit q5v / 6-bit q6v / 8-bit q8v codes (AVX512-VNNI) (+ residual)");
   m.def("qv_supported", &qv_supported, "whether qv_gemm was built (AVX512-VNNI)");
