@@ -652,6 +652,11 @@ def page_scores(selector: str, qg: torch.Tensor, summaries: PageSummaries, layer
         from kvtier.kernels.retrieval_attention import centroid_scores
         rows = lambda t: (t.ksum[layer], t.count[layer])  # noqa: E731
         return centroid_scores(qg, rows(summaries), cand_ids, rows(host) if host is not None else None, limit)
+    if (selector in ("quest", "quest-max") and host is None
+            and (ops := cpu_ops.usable(qg, summaries.kmin)) is not None and qg.dtype == torch.float32):
+        # CPU: one C++ pass over the candidates' summary rows (no gathered copies)
+        return ops.quest_scores(qg, summaries.kmin[layer], summaries.kmax[layer], summaries.count[layer], cand_ids,
+                                selector == "quest-max")
     rows = lambda name: summary_rows(summaries, host, name, layer, cand_ids)  # noqa: E731
     count = rows("count")  # [R, C]
     if selector in ("meankey", "centroid"):

@@ -244,3 +244,26 @@ def test_qv_gemm_matches_the_dequantized_matmul(ops, bits, x_dtype, m, n, k, gro
     assert float((got.float() - ref.float()).abs().max() / ref.float().abs().max()) < tol
     res = torch.randn(m, n, generator=g)  # the fused residual add: residual + the rounded product
     assert torch.allclose(packed.gemv(x, res), res + got.float(), atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("selector", ["quest", "quest-max"])
+@pytest.mark.parametrize("g_heads,d", [(1, 64), (4, 64), (8, 128)])
+def test_quest_scores_match_page_scores(ops, selector, g_heads, d):
+    """Retrieval's CPU page scores (one C++ pass) against page_scores' PyTorch formula: random keys
+    written into some pages, candidates in any order with repeats, unwritten pages +inf."""
+    from kvtier.kv.summaries import PageSummaries
+    from kvtier.layers.retrieval import page_scores
+
+    gen = torch.Generator().manual_seed(g_heads * d)
+    hkv, ps, pages = 2, 16, 24
+    summ = PageSummaries(2, pages, hkv, d, ps, "cpu")
+    slots = torch.randperm(18 * ps, generator=gen)[:200]  # keys in pages 0..17 only
+    summ.update(1, slots, torch.randn(200, hkv, d, generator=gen) * 3)
+    cand = torch.randint(0, pages, (3, 40), generator=gen)
+    qg = torch.randn(3, hkv, g_heads, d, generator=gen)
+    got = page_scores(selector, qg, summ, 1, cand)
+    with cpu_ops.disabled():
+        ref = page_scores(selector, qg, summ, 1, cand)
+    assert torch.equal(torch.isinf(got), torch.isinf(ref)) and bool(torch.isinf(ref).any())
+    fin = ~torch.isinf(ref)
+    torch.testing.assert_close(got[fin], ref[fin], rtol=1e-5, atol=1e-4)

@@ -10,6 +10,7 @@
 //   kv_store      K/V rows -> their slots of a plain (fp32 / bf16 / fp16) page pool
 //   paged_decode  one query row per sequence over its pages, split-K across threads
 //   paged_decode_lists  the same over each kv head's own selected pages (retrieval attention)
+//   quest_scores  retrieval's Quest page scores over the candidates' summary rows in place
 //   silu_mul      gu [T, 2I] -> silu(gu[:, :I]) * gu[:, I:]
 //   q4v_gemm      x @ W^T over 4-bit codes with AVX512-VNNI integer dot products (torch's int4pack
 //                 kernel converts every code to fp32 first: ~1.7x slower at one row)
@@ -510,6 +511,67 @@ at::Tensor paged_decode_lists(const at::Tensor& q, const at::Tensor& k_cache, co
   return decode_lists(q, k_cache, v_cache, tp, hkv * n, n, lp, hkv, 1, scale, min_split);
 }
 
+// ------------------------------------------------------------------------------------ quest_scores
+
+// Retrieval's page scores (layers/retrieval.py page_scores, Quest): for row r, kv head h and
+// candidate page p = cand[r, c], the bound of each query head j of the group on q_j . k over the
+// page's keys, sum_d max(q_jd kmin_pd, q_jd kmax_pd) = sum_d max(q_jd, 0) kmax_pd + min(q_jd, 0) kmin_pd,
+// summed over the group (quest) or its max (quest-max); a page with no keys (count 0) scores +inf.
+// One pass over each candidate's summary rows, none gathered into copies first.
+at::Tensor quest_scores(const at::Tensor& qg, const at::Tensor& kmin, const at::Tensor& kmax,
+                        const at::Tensor& count, const at::Tensor& cand, bool use_max) {
+  check_cpu(qg, "qg");
+  TORCH_CHECK(qg.dim() == 4 && qg.scalar_type() == at::kFloat, "quest_scores: qg [R, Hkv, G, D] fp32");
+  TORCH_CHECK(kmin.dim() == 3 && kmin.scalar_type() == at::kFloat && kmin.is_contiguous() && kmax.sizes() == kmin.sizes() &&
+                  kmax.scalar_type() == at::kFloat && kmax.is_contiguous(), "quest_scores: kmin / kmax [P, Hkv, D] fp32");
+  const int64_t r = qg.size(0), hkv = qg.size(1), g = qg.size(2), d = qg.size(3), pages = kmin.size(0);
+  TORCH_CHECK(kmin.size(1) == hkv && kmin.size(2) == d, "quest_scores: summaries / query shapes differ");
+  auto cnt = count.to(at::kInt).contiguous();
+  auto ids = cand.to(at::kLong).contiguous();
+  TORCH_CHECK(cnt.numel() == pages && ids.dim() == 2 && ids.size(0) == r, "quest_scores: count [P], cand [R, C]");
+  const int64_t c = ids.size(1);
+  auto q = qg.contiguous();
+  // the group's queries split by sign: [R, Hkv, G, D] each
+  auto qpos = q.clamp_min(0.0).contiguous(), qneg = q.clamp_max(0.0).contiguous();
+  const float* pp = qpos.data_ptr<float>();
+  const float* np = qneg.data_ptr<float>();
+  const float* lo = kmin.data_ptr<float>();
+  const float* hi = kmax.data_ptr<float>();
+  const int32_t* cp = cnt.data_ptr<int32_t>();
+  const int64_t* ip = ids.data_ptr<int64_t>();
+  for (int64_t i = 0; i < r * c; ++i)
+    TORCH_CHECK(ip[i] >= 0 && ip[i] < pages, "quest_scores: page id out of range (host-tier pages take the PyTorch path)");
+  auto out = at::empty({r, hkv, c}, q.options());
+  float* op = out.data_ptr<float>();
+  const float inf = std::numeric_limits<float>::infinity();
+  at::parallel_for(0, r * hkv, 1, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t row = i / hkv, h = i % hkv;
+      const float* qp = pp + i * g * d;
+      const float* qn = np + i * g * d;
+      for (int64_t col = 0; col < c; ++col) {
+        const int64_t page = ip[row * c + col];
+        if (cp[page] == 0) {
+          op[i * c + col] = inf;
+          continue;
+        }
+        const float* kl = lo + (page * hkv + h) * d;
+        const float* kh = hi + (page * hkv + h) * d;
+        float best = -inf, total = 0.f;
+        for (int64_t j = 0; j < g; ++j) {
+          float acc = 0.f;
+#pragma omp simd reduction(+ : acc)
+          for (int64_t x = 0; x < d; ++x) acc += qp[j * d + x] * kh[x] + qn[j * d + x] * kl[x];
+          best = std::max(best, acc);
+          total += acc;
+        }
+        op[i * c + col] = use_max ? best : total;
+      }
+    }
+  });
+  return out;
+}
+
 // ------------------------------------------------------------------------------------ silu_mul
 
 // silu(gate) * up as torch computes it in gu's dtype: silu rounded, then the product rounded.
@@ -871,6 +933,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("kv_store", &kv_store, nogil, "K/V rows into a plain page pool layer");
   m.def("paged_decode", &paged_decode, nogil, "one-row-per-sequence attention over paged K/V");
   m.def("paged_decode_lists", &paged_decode_lists, nogil, "decode attention over each kv head's own page list");
+  m.def("quest_scores", &quest_scores, nogil, "Quest bounds of candidate pages per row and kv head");
   m.def("silu_mul", &silu_mul, nogil, "silu(gu[:, :I]) * gu[:, I:]");
   m.def("qv_gemm", &qv_gemm, nogil, "x @ W^T over 4-bit q4v / 5-bit q5v / 6-bit q6v / 8-bit q8v codes (AVX512-VNNI) (+ residual)");
   m.def("qv_supported", &qv_supported, "whether qv_gemm was built (AVX512-VNNI)");
