@@ -544,12 +544,17 @@ at::Tensor quest_scores(const at::Tensor& qg, const at::Tensor& kmin, const at::
   auto out = at::empty({r, hkv, c}, q.options());
   float* op = out.data_ptr<float>();
   const float inf = std::numeric_limits<float>::infinity();
-  at::parallel_for(0, r * hkv, 1, [&](int64_t i0, int64_t i1) {
-    for (int64_t i = i0; i < i1; ++i) {
+  // work items: (row, kv head, block of QUEST_COLS candidates), so one row's few kv heads still
+  // spread over every thread
+  constexpr int64_t QUEST_COLS = 128;
+  const int64_t blocks = (c + QUEST_COLS - 1) / QUEST_COLS;
+  at::parallel_for(0, r * hkv * blocks, 1, [&](int64_t w0, int64_t w1) {
+    for (int64_t w = w0; w < w1; ++w) {
+      const int64_t i = w / blocks, c0 = (w % blocks) * QUEST_COLS, c1 = std::min(c, c0 + QUEST_COLS);
       const int64_t row = i / hkv, h = i % hkv;
       const float* qp = pp + i * g * d;
       const float* qn = np + i * g * d;
-      for (int64_t col = 0; col < c; ++col) {
+      for (int64_t col = c0; col < c1; ++col) {
         const int64_t page = ip[row * c + col];
         if (cp[page] == 0) {
           op[i * c + col] = inf;
