@@ -202,11 +202,13 @@ class VNNIWeight(PackedWeight):
 
     row_align = Q4V_BLOCK
 
-    def __init__(self, shape: tuple[int, int], group: int, bits: int) -> None:
+    def __init__(self, shape: tuple[int, int], group: int, bits: int, sym: float | None = None) -> None:
+        """sym: every group's min is sym x its scale (symmetric codes: GGUF Q4_0, Q5_0, Q6_K, Q8_0), so
+        sm holds the scales alone and the kernel derives the mins."""
         super().__init__()
         n, k = shape
         nb = -(-n // Q4V_BLOCK)
-        self.shape, self.group, self.bits = (n, k), group, bits
+        self.shape, self.group, self.bits, self.sym = (n, k), group, bits, sym
         self.per_word = 4 if bits == 8 else 8  # 5- and 6-bit: the low four bits as 4-bit words
         self.register_buffer("codes", torch.zeros(nb, k // self.per_word, Q4V_BLOCK, dtype=torch.int32),
                              persistent=False)
@@ -215,7 +217,8 @@ class VNNIWeight(PackedWeight):
         self.planes = bits - 4 if bits in (5, 6) else 0
         self.register_buffer("hbits", torch.zeros(nb, k // 32, self.planes, Q4V_BLOCK, dtype=torch.int32)
                              if self.planes else None, persistent=False)
-        self.register_buffer("sm", torch.zeros(nb, k // group, 2, Q4V_BLOCK, dtype=torch.float16), persistent=False)
+        self.register_buffer("sm", torch.zeros(nb, k // group, 1 if sym is not None else 2, Q4V_BLOCK,
+                                               dtype=torch.float16), persistent=False)
 
     @staticmethod
     def supports(k: int, group: int, bits: int = 4) -> bool:
@@ -246,12 +249,13 @@ class VNNIWeight(PackedWeight):
 
     @classmethod
     def build(cls, shape: tuple[int, int], group: int, bits: int,
-              chunk: Callable[[int, int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> "VNNIWeight | None":
+              chunk: Callable[[int, int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
+              sym: float | None = None) -> "VNNIWeight | None":
         """chunk(r0, r1) -> (codes [r1 - r0, K] in 0 .. 2^bits - 1, scale, min fp32 [r1 - r0, K / G]) of
         those rows, asked for VNNI_PACK_ROWS rows at a time (no whole-matrix temporaries: a load's
-        peak memory). None when fp16 would hold a scale or min less precisely than bf16 does (out of
-        its range)."""
-        out = cls(shape, group, bits)
+        peak memory). sym: every min is sym x its scale, exactly (checked): the mins are not stored.
+        None when fp16 would hold a scale or min less precisely than bf16 does (out of its range)."""
+        out = cls(shape, group, bits, sym)
         for r0 in range(0, shape[0], VNNI_PACK_ROWS):
             r1 = min(shape[0], r0 + VNNI_PACK_ROWS)
             codes, scale, minv = chunk(r0, r1)
@@ -259,13 +263,21 @@ class VNNIWeight(PackedWeight):
             for a, b in ((scale, s16), (minv, m16)):
                 if not bool(((b.float() - a).abs() <= a.abs() * FP16_SCALE_RTOL).all()):
                     return None
+            if sym is not None and not torch.equal(m16.float(), s16.float() * sym):
+                raise ValueError(f"VNNIWeight: mins are not {sym} x the scales")
             out._pack_rows(r0, codes, s16, m16)
         return out
 
     @classmethod
     def from_qweight(cls, qw: QuantWeight) -> "VNNIWeight | None":
-        """A 4-bit (codes 0..15) or 8-bit (int8 codes, stored + offset) QuantWeight, codes untouched."""
+        """A 4-bit (codes 0..15) or 8-bit (int8 codes, stored + offset) QuantWeight, codes untouched;
+        symmetric ones (no mins, or Q4_0's min = -8 x scale) hold their scales alone."""
         bits, offset = cls.layout_of(qw)
+        sym = None
+        if qw.mins is None:
+            sym = -float(offset)
+        elif bits == 4 and torch.equal(qw.mins.float(), qw.scales.float() * -8.0):
+            sym = -8.0
 
         def chunk(r0: int, r1: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
             scale = qw.scales[r0:r1].float()
@@ -274,7 +286,7 @@ class VNNIWeight(PackedWeight):
                 return unpack_int4(qw.qweight[r0:r1]), scale, minv
             return qw.qweight[r0:r1].to(torch.int32) + offset, scale, minv - offset * scale
 
-        return cls.build(qw.shape, qw.group, bits, chunk)
+        return cls.build(qw.shape, qw.group, bits, chunk, sym)
 
     @classmethod
     def for_qweight(cls, qw: QuantWeight) -> "VNNIWeight | None":
@@ -298,10 +310,12 @@ class VNNIWeight(PackedWeight):
             q = q & 0xF
         words = _words(q.view(rp, k // pw, pw), 32 // pw)  # [Rp, K / W]
         self.codes[b0:b0 + nb] = words.view(nb, Q4V_BLOCK, k // pw).transpose(1, 2)
-        g = k // self.group
-        sm = torch.zeros(rp, 2, g, dtype=torch.float16)
-        sm[:r, 0], sm[:r, 1] = scale, minv
-        self.sm[b0:b0 + nb] = sm.view(nb, Q4V_BLOCK, 2, g).permute(0, 3, 2, 1)
+        g, planes = k // self.group, self.sm.shape[2]
+        sm = torch.zeros(rp, planes, g, dtype=torch.float16)
+        sm[:r, 0] = scale
+        if planes == 2:
+            sm[:r, 1] = minv
+        self.sm[b0:b0 + nb] = sm.view(nb, Q4V_BLOCK, planes, g).permute(0, 3, 2, 1)
 
     def gemv(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         """x [M, K] -> x @ W^T [M, N] in x's dtype; with residual [M, N]: residual + that, in the
@@ -309,7 +323,8 @@ class VNNIWeight(PackedWeight):
         ops = cpu_ops.ops()
         if ops is None:  # switched off (cpu_ops.disabled): the reference, fp32 over the dense weight
             return self.gemv_reference(x, residual)
-        return ops.qv_gemm(x, self.codes, self.hbits, self.sm, self.group, self.shape[0], self.bits, residual)
+        return ops.qv_gemm(x, self.codes, self.hbits, self.sm, self.group, self.shape[0], self.bits, residual,
+                           self.sym or 0.0)
 
     def gemv_add(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         return self.gemv(x, residual)
@@ -342,7 +357,8 @@ class VNNIWeight(PackedWeight):
         q = self._codes_of(blocks.transpose(1, 2), None if high is None else high.permute(0, 3, 1, 2))  # [B, 16, K]
         q = q.reshape(b * Q4V_BLOCK, k // self.group, self.group)
         scale = sm[:, :, 0].permute(0, 2, 1).reshape(b * Q4V_BLOCK, -1, 1).float()
-        minv = sm[:, :, 1].permute(0, 2, 1).reshape(b * Q4V_BLOCK, -1, 1).float()
+        minv = (sm[:, :, 1].permute(0, 2, 1).reshape(b * Q4V_BLOCK, -1, 1).float() if self.sym is None
+                else scale * self.sym)
         return torch.addcmul(minv, q.float(), scale).reshape(b * Q4V_BLOCK, k).to(dtype)
 
     def dequantize_into(self, r0: int, r1: int, out: torch.Tensor) -> None:
@@ -357,9 +373,10 @@ class VNNIWeight(PackedWeight):
         """Only the asked rows are unpacked (the lm_head's top candidates, a tied embedding's tokens)."""
         blocks, lanes = idx // Q4V_BLOCK, idx % Q4V_BLOCK
         q = self._codes_of(self.codes[blocks, :, lanes], None if self.hbits is None else self.hbits[blocks, :, :, lanes])
-        sm = self.sm[blocks, :, :, lanes].float()  # [T, G, 2]
+        sm = self.sm[blocks, :, :, lanes].float()  # [T, G, 2] (symmetric: [T, G, 1], the scales)
         q = q.reshape(idx.shape[0], -1, self.group).float()
-        return torch.addcmul(sm[..., 1:], q, sm[..., :1]).reshape(idx.shape[0], -1).to(dtype)
+        minv = sm[..., 1:] if self.sym is None else sm[..., :1] * self.sym
+        return torch.addcmul(minv, q, sm[..., :1]).reshape(idx.shape[0], -1).to(dtype)
 
 
 def _words(values: torch.Tensor, width: int) -> torch.Tensor:

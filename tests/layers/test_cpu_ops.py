@@ -214,6 +214,7 @@ def test_vnni_packing_round_trips(ops, bits, n, k, group):
     qw = _qweight(n, k, group, n, bits)
     packed = VNNIWeight.from_qweight(qw)
     assert packed is not None and packed.bits == bits
+    assert packed.sm.shape[2] == (1 if qw.mins is None else 2)  # symmetric codes: scales alone
     dense = qw.dequantize()
     out = torch.empty(n - 16, k)
     packed.dequantize_into(16, n, out)  # from a block boundary to a partial last block

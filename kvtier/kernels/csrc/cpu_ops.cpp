@@ -747,7 +747,7 @@ void x_parts_vec(const X* x, int64_t m, int64_t k, int64_t group, bool interleav
 // unpacked) once for all MR rows; the group sums of the MR rows -> rows_out [MR, 16].
 template <int BITS, int MR>
 inline void qv_block(const XParts& xp, const int32_t* blk, const int32_t* hb, const Half* smb, int64_t m0,
-                     int64_t words, int64_t groups, int64_t wpg, float* rows_out) {
+                     int64_t words, int64_t groups, int64_t wpg, int64_t sms, float min_mult, float* rows_out) {
   const __m512i nib = _mm512_set1_epi32(0x0F0F0F0F);
   const __m512i bit4 = _mm512_set1_epi32(0x10101010);
   const __m512i bit5 = _mm512_set1_epi32(0x20202020);
@@ -794,8 +794,10 @@ inline void qv_block(const XParts& xp, const int32_t* blk, const int32_t* hb, co
         }
       }
     }
-    const __m512 scale = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(smb + g * 32)));
-    const __m512 minv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(smb + g * 32 + 16)));
+    const __m512 scale = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(smb + g * sms)));
+    // a stored min, or (symmetric codes: sm holds scales alone) min_mult x scale, exact for GGUF's types
+    const __m512 minv = sms == 32 ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(smb + g * 32 + 16)))
+                                  : _mm512_mul_ps(scale, _mm512_set1_ps(min_mult));
     for (int i = 0; i < MR; ++i) {
       // sum_k x q / s_x, then w's scale and min
       const __m512 dot = _mm512_fmadd_ps(_mm512_cvtepi32_ps(al[i]), _mm512_set1_ps(1.f / 256.f), _mm512_cvtepi32_ps(ah[i]));
@@ -809,7 +811,7 @@ inline void qv_block(const XParts& xp, const int32_t* blk, const int32_t* hb, co
 
 template <int BITS, typename X, typename R>
 void qv_rows(const XParts& xp, const int32_t* codes, const int32_t* hbits, const Half* sm, X* y, const R* res, R* out,
-             int64_t m_rows, int64_t n, int64_t k, int64_t group) {
+             int64_t m_rows, int64_t n, int64_t k, int64_t group, int64_t sms, float min_mult) {
   const int64_t per_word = BITS == 8 ? 4 : 8;
   const int64_t blocks = (n + 15) / 16, words = k / per_word, groups = k / group, wpg = group / per_word;
   at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
@@ -817,14 +819,14 @@ void qv_rows(const XParts& xp, const int32_t* codes, const int32_t* hbits, const
     for (int64_t b = b0; b < b1; ++b) {
       const int32_t* blk = codes + b * words * 16;
       const int32_t* hb = hbits == nullptr ? nullptr : hbits + b * (k / 32) * 16 * (BITS == 6 ? 2 : 1);
-      const Half* smb = sm + b * groups * 32;
+      const Half* smb = sm + b * groups * sms;
       const int64_t valid = std::min<int64_t>(16, n - b * 16);
       for (int64_t m0 = 0; m0 < m_rows;) {
         const int64_t left = m_rows - m0;
         const int mr = left >= 4 ? 4 : left >= 2 ? 2 : 1;
-        if (mr == 4) qv_block<BITS, 4>(xp, blk, hb, smb, m0, words, groups, wpg, rows);
-        else if (mr == 2) qv_block<BITS, 2>(xp, blk, hb, smb, m0, words, groups, wpg, rows);
-        else qv_block<BITS, 1>(xp, blk, hb, smb, m0, words, groups, wpg, rows);
+        if (mr == 4) qv_block<BITS, 4>(xp, blk, hb, smb, m0, words, groups, wpg, sms, min_mult, rows);
+        else if (mr == 2) qv_block<BITS, 2>(xp, blk, hb, smb, m0, words, groups, wpg, sms, min_mult, rows);
+        else qv_block<BITS, 1>(xp, blk, hb, smb, m0, words, groups, wpg, sms, min_mult, rows);
         for (int i = 0; i < mr; ++i) {
           const int64_t base = (m0 + i) * n + b * 16;
           for (int64_t r = 0; r < valid; ++r) {
@@ -858,7 +860,7 @@ bool qv_supported() {
 // above XParts.
 at::Tensor qv_gemm(const at::Tensor& x, const at::Tensor& codes, const c10::optional<at::Tensor>& hbits,
                    const at::Tensor& sm, int64_t group, int64_t n, int64_t bits,
-                   const c10::optional<at::Tensor>& residual) {
+                   const c10::optional<at::Tensor>& residual, double min_mult) {
 #if defined(__AVX512F__) && defined(__AVX512VNNI__)
   check_cpu(x, "x");
   TORCH_CHECK(bits == 4 || bits == 5 || bits == 6 || bits == 8, "qv_gemm: 4-, 5-, 6- or 8-bit codes");
@@ -875,8 +877,10 @@ at::Tensor qv_gemm(const at::Tensor& x, const at::Tensor& codes, const c10::opti
               "qv_gemm: groups of a multiple of ", per_word, " columns tiling K");
   TORCH_CHECK(codes.scalar_type() == at::kInt && codes.is_contiguous() && codes.numel() == blocks * (k / per_word) * 16,
               "qv_gemm: int32 codes [ceil(N / 16), K / ", per_word, ", 16]");
-  TORCH_CHECK(sm.scalar_type() == at::kHalf && sm.is_contiguous() && sm.numel() == blocks * (k / group) * 32,
-              "qv_gemm: fp16 scales and mins [ceil(N / 16), K / G, 2, 16]");
+  // sm: (scale, min) per group, or scales alone (symmetric codes: min = min_mult x scale)
+  const int64_t sms = sm.numel() == blocks * (k / group) * 16 ? 16 : 32;
+  TORCH_CHECK(sm.scalar_type() == at::kHalf && sm.is_contiguous() && sm.numel() == blocks * (k / group) * sms,
+              "qv_gemm: fp16 scales and mins [ceil(N / 16), K / G, 2, 16] (or scales alone [.., 1, 16])");
   thread_local XParts xp;  // reused: its buffers grow to the largest call and stay
   bool done = false;
 #if defined(__BMI2__)
@@ -896,7 +900,7 @@ at::Tensor qv_gemm(const at::Tensor& x, const at::Tensor& codes, const c10::opti
     constexpr int B = decltype(bits_tag)::value;
     using X = std::remove_pointer_t<decltype(y)>;
     using R = std::remove_const_t<std::remove_pointer_t<decltype(res)>>;
-    qv_rows<B, X, R>(xp, cp, hp, sp, y, res, out, m, n, k, group);
+    qv_rows<B, X, R>(xp, cp, hp, sp, y, res, out, m, n, k, group, sms, static_cast<float>(min_mult));
   };
   auto dispatch_bits = [&](auto* y, const auto* res, auto* out) {
     if (bits == 4) run(std::integral_constant<int, 4>{}, y, res, out);
