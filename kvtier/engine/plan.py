@@ -48,6 +48,7 @@ class MemoryPlan:
     host_available: int
     problems: tuple[str, ...]
     notes: tuple[str, ...] = ()  # worth knowing, not a reason to refuse
+    weight_format: str = "bf16"  # how the weights are held (weight_bytes counts that)
 
     @property
     def fits(self) -> bool:
@@ -102,9 +103,42 @@ def host_ram_available() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
 
 
+def held_weight_bytes(model: str, spec: ModelSpec) -> tuple[int, str] | None:
+    """(bytes, format) of the weights as the GPU holds them where they stay quantized: a GGUF's
+    tensors repacked into QuantWeights (codes + fp16 scales, and mins for asymmetric types;
+    loading/repack.py), dense tensors in bf16; a QUANT_SHAPES shape's every matrix at its bits.
+    None: dense bf16 throughout (safetensors, dense shapes), counted from the parameters."""
+    from kvtier.models.shapes import QUANT_SHAPES, SHAPES
+
+    if model in QUANT_SHAPES:
+        _, bits, group = QUANT_SHAPES[model]
+        return int(param_count(spec) * (bits / 8 + 4 / group)), f"int{bits}, groups of {group}"
+    if model in SHAPES:
+        return None
+    from kvtier.models.hub import resolve_model
+    from kvtier.models.loading.gguf import read_gguf_header
+    from kvtier.models.loading.repack import ASYMMETRIC, DENSE_TYPES, REPACKS
+
+    path = Path(resolve_model(model))
+    if path.is_dir():
+        return None
+    total = 0
+    for t in read_gguf_header(path).tensors:
+        n = math.prod(t.shape)
+        if t.qtype in REPACKS:
+            bits, group, _ = REPACKS[t.qtype]
+            total += n * bits // 8 + (n // group) * 2 * (2 if t.qtype in ASYMMETRIC else 1)
+        elif t.qtype in DENSE_TYPES:
+            total += n * 2
+        else:  # a type the loader dequantizes: dense bf16
+            total += n * 2
+    return total, "as stored in the GGUF"
+
+
 def make_plan(spec: ModelSpec, kv_format: str, context: int | None, gpu_limit: int | None,
               host_kv_bytes: int | None, weight_dtype: str = "bf16",
-              prefill_chunk: int = CUDA_PREFILL_CHUNK) -> MemoryPlan:
+              prefill_chunk: int = CUDA_PREFILL_CHUNK, held: tuple[int, str] | None = None) -> MemoryPlan:
+    """held: (bytes, format) of quantized weights (held_weight_bytes); None: dense in weight_dtype."""
     from kvtier.kv.formats import make_format
 
     import torch
@@ -114,7 +148,7 @@ def make_plan(spec: ModelSpec, kv_format: str, context: int | None, gpu_limit: i
     fmt = make_format(kv_format)
     compute = torch.float32 if weight_dtype == "fp32" else torch.bfloat16
     kvpt = kv_bytes_per_token(fmt, spec.num_kv_heads, spec.head_dim, DEFAULT_PAGE_SIZE, compute) * spec.num_layers
-    weights = param_count(spec) * WEIGHT_BYTES[weight_dtype]
+    weights = held[0] if held is not None else param_count(spec) * WEIGHT_BYTES[weight_dtype]
     scratch = prefill_chunk * spec.hidden_size * ACTIVATION_FACTOR * WEIGHT_BYTES[weight_dtype]
     scratch += prefill_chunk * spec.vocab_size * 4 // 8  # logits of a few rows at most, fp32
     reserve = CUDA_RUNTIME_RESERVE + CUDA_GRAPH_RESERVE
@@ -153,13 +187,14 @@ def make_plan(spec: ModelSpec, kv_format: str, context: int | None, gpu_limit: i
         notes.append(f"the model was trained for {spec.max_position_embeddings} tokens; quality past that "
                      f"needs rope scaling")
     return MemoryPlan(spec, weights, scratch, CUDA_RUNTIME_RESERVE, CUDA_GRAPH_RESERVE, kvpt, kv_format,
-                      gpu_limit, context, int(gpu_kv), int(host), avail, tuple(problems), tuple(notes))
+                      gpu_limit, context, int(gpu_kv), int(host), avail, tuple(problems), tuple(notes),
+                      held[1] if held is not None else weight_dtype)
 
 
 def render(plan: MemoryPlan) -> Table:
     t = Table("item", "size", "tokens", title=f"memory plan: {plan.spec.name or plan.spec.arch}, "
                                               f"{plan.context} tokens, KV {plan.kv_format}")
-    t.add_row("weights (bf16)", f"{plan.weight_bytes / GIB:.2f} GiB", "")
+    t.add_row(f"weights ({plan.weight_format})", f"{plan.weight_bytes / GIB:.2f} GiB", "")
     t.add_row("scratch (one prefill chunk)", f"{plan.scratch_bytes / MIB:.0f} MiB", "")
     t.add_row("CUDA runtime", f"{plan.runtime_bytes / MIB:.0f} MiB", "")
     t.add_row("CUDA graphs", f"{plan.graph_bytes / MIB:.0f} MiB", "")
@@ -185,13 +220,23 @@ def spec_for(model: str) -> ModelSpec:
     return read_spec(Path(resolve_model(model)))
 
 
+# --weights int8 / int4 (quantize_rtn, groups of 32): bytes a weight, codes + fp16 scales (+ mins, int4)
+RTN_WEIGHT_BYTES = {"int8": 1 + 2 / 32, "int4": 0.5 + 4 / 32}
+
+
 def plan_for_args(model: str, kv_dtype: str, context: int | None, gpu_memory_limit: str | None,
-                  host_kv_mib: int, prefill_chunk: int = CUDA_PREFILL_CHUNK) -> MemoryPlan:
-    """The plan `kvtier plan` prints and `kvtier serve` checks, from CLI values (no weights read)."""
+                  host_kv_mib: int, prefill_chunk: int = CUDA_PREFILL_CHUNK, weights: str = "auto") -> MemoryPlan:
+    """The plan `kvtier plan` prints and `kvtier serve` checks, from CLI values (no weights read).
+    weights: `--weights` (auto: quantized files as stored, else bf16)."""
     limit = parse_size(gpu_memory_limit) if gpu_memory_limit else None
     host = host_kv_mib * MIB if host_kv_mib else None
     kv = kv_dtype if kv_dtype != "auto" else "bf16"
-    return make_plan(spec_for(model), kv, context, limit, host, prefill_chunk=prefill_chunk)
+    spec = spec_for(model)
+    if weights in RTN_WEIGHT_BYTES:
+        held = int(param_count(spec) * RTN_WEIGHT_BYTES[weights]), f"{weights}, groups of 32"
+    else:
+        held = held_weight_bytes(model, spec) if weights == "auto" else None
+    return make_plan(spec, kv, context, limit, host, prefill_chunk=prefill_chunk, held=held)
 
 
 def checked_engine_config(config: EngineConfig, model: str, gpu_memory_limit: str | None) -> EngineConfig:
@@ -206,7 +251,7 @@ def checked_engine_config(config: EngineConfig, model: str, gpu_memory_limit: st
         return config
     cc = config.cache
     plan = plan_for_args(model, cc.kv_dtype, config.max_model_len, gpu_memory_limit, cc.host_kv_mib,
-                         prefill_chunk_for("cuda", config.prefill_chunk))
+                         prefill_chunk_for("cuda", config.prefill_chunk), config.weights)
     problems = list(plan.problems)
     room = (plan.gpu_limit or 0) - plan.weight_bytes - plan.scratch_bytes - plan.reserve_bytes
     if cc.gpu_kv_mib is not None and cc.gpu_kv_mib * MIB > room:

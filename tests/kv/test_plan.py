@@ -74,3 +74,18 @@ def test_fitting_plan_sizes_the_pools() -> None:
     with pytest.raises(ValueError, match="--gpu-kv-mib"):
         from dataclasses import replace
         checked_engine_config(replace(cfg, cache=replace(cfg.cache, gpu_kv_mib=20_000)), "qwen3-8b", "24GiB")
+
+
+def test_plan_counts_a_gguf_as_stored(smollm2_path):
+    """The plan's weight bytes are the QuantWeights' (and dense tensors' bf16) bytes the loader
+    makes from the file, not every parameter in bf16."""
+    from kvtier.engine.plan import plan_for_args
+    from kvtier.layers.qweight import QuantWeight
+    from kvtier.models.loading import load_checkpoint
+
+    ckpt = load_checkpoint(smollm2_path, weights="stored")
+    held = sum(t.nbytes() if isinstance(t, QuantWeight) else t.numel() * 2 for t in ckpt.tensors.values())
+    plan = plan_for_args(str(smollm2_path), "bf16", 4096, None, 0)
+    assert abs(plan.weight_bytes - held) <= 0.01 * held and plan.weight_format == "as stored in the GGUF"
+    dense = plan_for_args(str(smollm2_path), "bf16", 4096, None, 0, weights="bf16")
+    assert dense.weight_bytes > 2.5 * plan.weight_bytes and dense.weight_format == "bf16"
