@@ -12,7 +12,7 @@ them back, so the GPU never waits for the host between steps:
     GPU:          [ step n ..................... ][ step n+1 .................... ]
 
 Until it is read back, a sampled token sits in `seq.tokens` as PENDING_TOKEN; step n+1
-takes its input ids from step n's device tensor (runner.Feed). A sequence that
+takes its input ids from step n's device tensor (step_plan.Feed). A sequence that
 stopped at step n has had one extra step computed: its row is dropped at read back.
 Steps chain only while that is all that can differ (`_can_chain`): no request waiting,
 every running sequence decoding, none at its last token, a free page for each that
@@ -33,10 +33,10 @@ import torch
 
 from kvtier.config import EngineConfig, prefill_chunk_for
 from kvtier.engine.request import ContextOverflowError, Output, PinnedBudget, Progress, Request, Usage
-from kvtier.engine.runner import Feed, ModelRunner
+from kvtier.engine.runner import ModelRunner
 from kvtier.engine.sampler import needs_history, sample
 from kvtier.engine.scheduler import Batch, Scheduler, SeqStatus, Sequence
-from kvtier.engine.step_plan import decode_step
+from kvtier.engine.step_plan import Feed, decode_step
 from kvtier.engine.stops import StopChecker
 from kvtier.kv.formats import make_format
 from kvtier.kv.stats import cache_stats

@@ -103,6 +103,11 @@ def host_ram_available() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
 
 
+def quant_bytes(n: int, bits: int, group: int, mins: bool) -> int:
+    """Bytes of n weights as a QuantWeight: the codes plus an fp16 scale (and min) per group."""
+    return n * bits // 8 + (n // group) * 2 * (2 if mins else 1)
+
+
 def held_weight_bytes(model: str, spec: ModelSpec) -> tuple[int, str] | None:
     """(bytes, format) of the weights as the GPU holds them where they stay quantized: a GGUF's
     tensors repacked into QuantWeights (codes + fp16 scales, and mins for asymmetric types;
@@ -112,12 +117,12 @@ def held_weight_bytes(model: str, spec: ModelSpec) -> tuple[int, str] | None:
 
     if model in QUANT_SHAPES:
         _, bits, group = QUANT_SHAPES[model]
-        return int(param_count(spec) * (bits / 8 + 4 / group)), f"int{bits}, groups of {group}"
+        return quant_bytes(param_count(spec), bits, group, mins=True), f"int{bits}, groups of {group}"
     if model in SHAPES:
         return None
     from kvtier.models.hub import resolve_model
     from kvtier.models.loading.gguf import read_gguf_header
-    from kvtier.models.loading.repack import ASYMMETRIC, DENSE_TYPES, REPACKS
+    from kvtier.models.loading.repack import ASYMMETRIC, REPACKS
 
     path = Path(resolve_model(model))
     if path.is_dir():
@@ -127,10 +132,8 @@ def held_weight_bytes(model: str, spec: ModelSpec) -> tuple[int, str] | None:
         n = math.prod(t.shape)
         if t.qtype in REPACKS:
             bits, group, _ = REPACKS[t.qtype]
-            total += n * bits // 8 + (n // group) * 2 * (2 if t.qtype in ASYMMETRIC else 1)
-        elif t.qtype in DENSE_TYPES:
-            total += n * 2
-        else:  # a type the loader dequantizes: dense bf16
+            total += quant_bytes(n, bits, group, mins=t.qtype in ASYMMETRIC)
+        else:  # dense tensors, and types the loader dequantizes: bf16
             total += n * 2
     return total, "as stored in the GGUF"
 
@@ -220,8 +223,8 @@ def spec_for(model: str) -> ModelSpec:
     return read_spec(Path(resolve_model(model)))
 
 
-# --weights int8 / int4 (quantize_rtn, groups of 32): bytes a weight, codes + fp16 scales (+ mins, int4)
-RTN_WEIGHT_BYTES = {"int8": 1 + 2 / 32, "int4": 0.5 + 4 / 32}
+# --weights int8 / int4 (quantize_rtn, groups of 32): (bits, mins) of the QuantWeights
+RTN_WEIGHTS = {"int8": (8, False), "int4": (4, True)}
 
 
 def plan_for_args(model: str, kv_dtype: str, context: int | None, gpu_memory_limit: str | None,
@@ -232,8 +235,9 @@ def plan_for_args(model: str, kv_dtype: str, context: int | None, gpu_memory_lim
     host = host_kv_mib * MIB if host_kv_mib else None
     kv = kv_dtype if kv_dtype != "auto" else "bf16"
     spec = spec_for(model)
-    if weights in RTN_WEIGHT_BYTES:
-        held = int(param_count(spec) * RTN_WEIGHT_BYTES[weights]), f"{weights}, groups of 32"
+    if weights in RTN_WEIGHTS:
+        bits, mins = RTN_WEIGHTS[weights]
+        held = quant_bytes(param_count(spec), bits, 32, mins), f"{weights}, groups of 32"
     else:
         held = held_weight_bytes(model, spec) if weights == "auto" else None
     return make_plan(spec, kv, context, limit, host, prefill_chunk=prefill_chunk, held=held)

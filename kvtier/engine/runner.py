@@ -14,33 +14,13 @@ either tier where the graphs have a host variant), else eagerly.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from kvtier.engine.cuda_graph import DecodeGraphs
 from kvtier.engine.scheduler import Batch
-from kvtier.engine.step_plan import StepPlanner, decode_step, reads_host
+from kvtier.engine.step_plan import Feed, StepPlanner, decode_step, reads_host
 from kvtier.kv.pool import PagePool
 from kvtier.layers.attention import AttentionBackend
-
-
-@dataclass
-class Feed:
-    """Input ids a step takes from a device tensor instead of the host: row dst[i] of the step
-    (a decode: one token a row) reads tokens[src[i]]. dst / src None: rows 0..n-1 read
-    tokens[0..n-1] (the common case: the same sequences in the same order as the step before)."""
-
-    tokens: torch.Tensor  # [rows of the step before] int64, on the device
-    n: int
-    dst: torch.Tensor | None = None
-    src: torch.Tensor | None = None
-
-    def apply(self, input_ids: torch.Tensor) -> None:
-        if self.dst is None:
-            input_ids[:self.n].copy_(self.tokens[:self.n])
-        else:
-            input_ids.index_copy_(0, self.dst, self.tokens.index_select(0, self.src))
 
 
 class ModelRunner:
@@ -93,17 +73,13 @@ class ModelRunner:
         self.run_transfers(batch)
         size = self._graph_size(batch)
         if size is not None:
-            step = self.planner.plan(batch, pad_to=size, max_seq_len=self.max_model_len)
-            if feed is not None:
-                feed.apply(self.planner.input_ids)
+            step = self.planner.plan(batch, pad_to=size, max_seq_len=self.max_model_len, feed=feed)
             self.backend.plan(step.meta)  # what the backend stages for the step (the graph reads it)
             host = step.meta.reads_host
             self.graph_steps += 1
             self.host_graph_steps += host
             return self.graphs.replay(size, len(batch.seqs), host)  # type: ignore[union-attr]
-        step = self.planner.plan(batch)
-        if feed is not None:
-            feed.apply(self.planner.input_ids)
+        step = self.planner.plan(batch, feed=feed)
         self.backend.plan(step.meta)
         logits = self.model(step.input_ids, step.positions, step.meta, self.backend)
         return logits.float()

@@ -68,6 +68,24 @@ def pinned_page_indices(spans: tuple[tuple[int, int], ...], page_size: int, num_
     return pages
 
 
+@dataclass
+class Feed:
+    """Input ids a step takes from a device tensor instead of the host: row dst[i] of the step
+    (a decode: one token a row) reads tokens[src[i]]. dst / src None: rows 0..n-1 read
+    tokens[0..n-1] (the common case: the same sequences in the same order as the step before)."""
+
+    tokens: torch.Tensor  # [rows of the step before] int64, on the device
+    n: int
+    dst: torch.Tensor | None = None
+    src: torch.Tensor | None = None
+
+    def apply(self, input_ids: torch.Tensor) -> None:
+        if self.dst is None:
+            input_ids[:self.n].copy_(self.tokens[:self.n])
+        else:
+            input_ids.index_copy_(0, self.dst, self.tokens.index_select(0, self.src))
+
+
 class _Staging:
     """One half of the pinned staging: int64 and int32 host arrays plus the copy's event."""
 
@@ -111,9 +129,11 @@ class StepPlanner:
         return (len(batch.seqs) <= self.max_seqs and batch.num_tokens <= self.max_tokens
                 and all(-(-(s.start + s.num_tokens) // ps) <= self.max_pages for s in batch.seqs))
 
-    def plan(self, batch: Batch, pad_to: int = 0, max_seq_len: int = 0) -> StepInputs:
+    def plan(self, batch: Batch, pad_to: int = 0, max_seq_len: int = 0, feed: Feed | None = None) -> StepInputs:
         """Stage and copy one step. pad_to: fill rows up to this many sequences (graphs),
-        every sequence bringing one token; max_seq_len: the meta's context bound (0: exact)."""
+        every sequence bringing one token; max_seq_len: the meta's context bound (0: exact);
+        feed: input ids still on the device (sampled by the step before, overlap scheduling),
+        copied over the staged ones."""
         if not self.fits(batch):
             raise ValueError("step exceeds the planner's capacity")
         st = self._next_staging()
@@ -162,6 +182,8 @@ class StepPlanner:
             table[n_rows:pad_to] = 0
             n_seqs, n_tok, n_out = pad_to, t + extra, n_out + extra
         self._copy(st, n_tok, n_out, n_seqs)
+        if feed is not None:
+            feed.apply(self.input_ids)
         pinned = None
         if any(s.seq.pinned_spans for s in batch.seqs):
             pinned = [pinned_page_indices(s.seq.pinned_spans, ps, -(-(s.start + s.num_tokens) // ps))

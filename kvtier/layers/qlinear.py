@@ -269,14 +269,15 @@ class VNNIWeight(PackedWeight):
         return out
 
     @classmethod
-    def from_qweight(cls, qw: QuantWeight) -> "VNNIWeight | None":
+    def from_qweight(cls, qw: QuantWeight, layout: tuple[int, int] | None = None) -> "VNNIWeight | None":
         """A 4-bit (codes 0..15) or 8-bit (int8 codes, stored + offset) QuantWeight, codes untouched;
-        symmetric ones (no mins, or Q4_0's min = -8 x scale) hold their scales alone."""
-        bits, offset = cls.layout_of(qw)
+        symmetric ones (no mins, or Q4_0's min = -8 x scale) hold their scales alone. layout:
+        layout_of(qw) when the caller has it (it reads every code)."""
+        bits, offset = layout or cls.layout_of(qw)
         sym = None
         if qw.mins is None:
             sym = -float(offset)
-        elif bits == 4 and torch.equal(qw.mins.float(), qw.scales.float() * -8.0):
+        elif bits == 4 and torch.equal(qw.mins, qw.scales * -8):  # fp16: exact (a power of two)
             sym = -8.0
 
         def chunk(r0: int, r1: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -291,7 +292,8 @@ class VNNIWeight(PackedWeight):
     @classmethod
     def for_qweight(cls, qw: QuantWeight) -> "VNNIWeight | None":
         """from_qweight where this CPU runs the kernel for qw's shape and codes, else None."""
-        return cls.from_qweight(qw) if cls.supports(qw.shape[1], qw.group, cls.layout_of(qw)[0]) else None
+        layout = cls.layout_of(qw)
+        return cls.from_qweight(qw, layout) if cls.supports(qw.shape[1], qw.group, layout[0]) else None
 
     def _shifts(self) -> torch.Tensor:
         return (32 // self.per_word) * torch.arange(self.per_word, dtype=torch.int64)

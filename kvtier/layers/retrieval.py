@@ -653,7 +653,7 @@ def page_scores(selector: str, qg: torch.Tensor, summaries: PageSummaries, layer
         rows = lambda t: (t.ksum[layer], t.count[layer])  # noqa: E731
         return centroid_scores(qg, rows(summaries), cand_ids, rows(host) if host is not None else None, limit)
     if (selector in ("quest", "quest-max") and host is None
-            and (ops := cpu_ops.usable(qg, summaries.kmin)) is not None and qg.dtype == torch.float32):
+            and (ops := cpu_ops.usable(qg, summaries.kmin)) is not None):
         # CPU: one C++ pass over the candidates' summary rows (no gathered copies)
         return ops.quest_scores(qg, summaries.kmin[layer], summaries.kmax[layer], summaries.count[layer], cand_ids,
                                 selector == "quest-max")
