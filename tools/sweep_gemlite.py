@@ -28,45 +28,11 @@ if str(REPO) not in sys.path:
 from kvtier.bench.run import measure_bandwidth  # noqa: E402
 from kvtier.kernels.wq_matmul import wq_linear  # noqa: E402
 from kvtier.layers.qweight import quantize_rtn  # noqa: E402
+from tools.sweep_wq import time_us  # noqa: E402  (one graph-replay timer for both sweeps)
 
 SHAPES = {"qkv": (6144, 4096), "o_proj": (4096, 4096), "gate_up": (24576, 4096), "down": (4096, 12288)}
 ROTATE_BYTES = 256 * 2**20
 CALLS = 20
-REPLAYS = 5
-
-
-def time_calls(fns: list, calls: int = CALLS) -> float:
-    """us per call: `calls` calls cycling through fns, captured in a graph, best of REPLAYS."""
-    for f in fns:
-        f()
-    torch.cuda.synchronize()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for f in fns:
-            f()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    try:
-        with torch.cuda.graph(g):
-            for i in range(calls):
-                fns[i % len(fns)]()
-        run = g.replay
-    except Exception as e:  # noqa: BLE001 - fall back to eager launches
-        print(f"    (no graph: {type(e).__name__}: {e})")
-
-        def run():
-            for i in range(calls):
-                fns[i % len(fns)]()
-    best = math.inf
-    for _ in range(REPLAYS):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        run()
-        b.record()
-        b.synchronize()
-        best = min(best, a.elapsed_time(b) * 1e3 / calls)
-    return best
 
 
 def gemlite_linear(gemlite, w, bits: int, group: int):
@@ -148,7 +114,7 @@ def main() -> None:
                         torch.cuda.synchronize()
                         first = time.perf_counter() - t0
                         err = ((y.float() - ref).abs().max() / ref.pow(2).mean().sqrt()).item()
-                        us = time_calls(fns)
+                        us, _ = time_us(lambda i: fns[i % len(fns)](), CALLS)
                     except Exception as e:  # noqa: BLE001
                         print(f"  {bits}b {name:8s} M={m:3d} {vname:12s} FAILED {type(e).__name__}: {e}")
                         continue

@@ -36,7 +36,7 @@ from kvtier.engine.request import ContextOverflowError, Output, PinnedBudget, Pr
 from kvtier.engine.runner import ModelRunner
 from kvtier.engine.sampler import needs_history, sample
 from kvtier.engine.scheduler import Batch, Scheduler, SeqStatus, Sequence
-from kvtier.engine.step_plan import Feed, decode_step
+from kvtier.engine.step_plan import Feed, decode_step, to_device
 from kvtier.engine.stops import StopChecker
 from kvtier.kv.formats import make_format
 from kvtier.kv.stats import cache_stats
@@ -318,10 +318,8 @@ class Engine:
                 src.append(at[id(s.seq)])
         if dst == src == list(range(len(dst))):
             return Feed(prev.tokens, len(dst))
-        pin = self.device.type == "cuda"
-        as_dev = (lambda v: torch.tensor(v, dtype=torch.int64).pin_memory().to(self.device, non_blocking=True)
-                  if pin else torch.tensor(v, dtype=torch.int64))
-        return Feed(prev.tokens, len(dst), as_dev(dst), as_dev(src))
+        return Feed(prev.tokens, len(dst), to_device(dst, torch.int64, self.device),
+                    to_device(src, torch.int64, self.device))
 
     def _read_back(self, flight: _InFlight | None = None) -> list[Output]:
         """Wait for a launched step's ids (default: the one in flight, which is then done) and

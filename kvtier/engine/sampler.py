@@ -26,6 +26,7 @@ from typing import Protocol
 import torch
 
 from kvtier.engine.request import SamplingParams
+from kvtier.engine.step_plan import to_device
 
 # A -inf logit gives probability exactly 0 after softmax; used for every filter.
 NEG_INF = float("-inf")
@@ -58,16 +59,6 @@ def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torc
     gen = torch.Generator(device=device)
     gen.manual_seed(seed)
     return gen
-
-
-def _on(values: Sequence, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """Per-row values as a tensor on `device` without waiting for the device: a CUDA copy goes
-    from pinned memory, asynchronously (a plain torch.tensor(..., device=cuda) synchronizes the
-    stream, which would stall overlap scheduling's next step, engine/engine.py)."""
-    t = torch.tensor(values, dtype=dtype)
-    if device.type != "cuda":
-        return t.to(device)
-    return t.pin_memory().to(device, non_blocking=True)
 
 
 def needs_history(p: SamplingParams) -> bool:
@@ -140,7 +131,7 @@ def filter_logits(logits: torch.Tensor, params: Sequence[SamplingParams]) -> tor
     """Temperature, then top_k, top_p, min_p (HF order); returns new [B, V] logits
     with filtered-out tokens at -inf. Rows must have temperature > 0."""
     dev = logits.device
-    temp = _on([p.temperature for p in params], logits.dtype, dev)
+    temp = to_device([p.temperature for p in params], logits.dtype, dev)
     out = logits / temp.unsqueeze(1)  # [B, V]
     V = out.shape[1]
     use_k = any(p.top_k > 0 for p in params)
@@ -148,12 +139,12 @@ def filter_logits(logits: torch.Tensor, params: Sequence[SamplingParams]) -> tor
     if use_k or use_p:
         sorted_logits = _top_sorted(out, params)  # [B, W]: each row's W largest, descending
         if use_k:
-            k = _on([min(p.top_k, V) if p.top_k > 0 else V for p in params], torch.int64, dev)
+            k = to_device([min(p.top_k, V) if p.top_k > 0 else V for p in params], torch.int64, dev)
             kth = sorted_logits.gather(1, (k - 1).unsqueeze(1))  # [B, 1]
             out = out.masked_fill(out < kth, NEG_INF)
             sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, NEG_INF)
         if use_p:
-            top_p = _on([p.top_p for p in params], logits.dtype, dev)
+            top_p = to_device([p.top_p for p in params], logits.dtype, dev)
             # normalised over the whole (top-k filtered) row: sorted_logits may hold only its top ranks
             sorted_probs = (sorted_logits - out.logsumexp(dim=1, keepdim=True)).exp()
             before = sorted_probs.cumsum(dim=1) - sorted_probs  # mass strictly above each rank
@@ -164,7 +155,7 @@ def filter_logits(logits: torch.Tensor, params: Sequence[SamplingParams]) -> tor
             cutoff = sorted_logits.gather(1, last)
             out = out.masked_fill(out < cutoff, NEG_INF)
     if any(p.min_p > 0.0 for p in params):
-        min_p = _on([p.min_p for p in params], logits.dtype, dev)
+        min_p = to_device([p.min_p for p in params], logits.dtype, dev)
         probs = out.softmax(dim=1)
         threshold = probs.max(dim=1, keepdim=True).values * min_p.unsqueeze(1)
         out = out.masked_fill(probs < threshold, NEG_INF)
@@ -259,7 +250,7 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams],
     if not sampled:
         return tokens
     every = len(sampled) == B
-    s = None if every else _on(sampled, torch.int64, out.device)
+    s = None if every else to_device(sampled, torch.int64, out.device)
     probs = filter_logits(out if every else out[s], [params[b] for b in sampled]).softmax(dim=1)  # [S, V]
     # inverse CDF: one uniform draw per row against the cumulative mass (fp64), the first token
     # whose cumulative mass passes it. One draw instead of V exponentials (0.73 ms a step for a
@@ -269,7 +260,7 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams],
     if len(shared) == len(sampled):
         u = torch.rand(len(sampled), 1, dtype=torch.float64, device=probs.device)
     elif shared:
-        u[_on(shared, torch.int64, probs.device)] = torch.rand(len(shared), 1, dtype=torch.float64,
+        u[to_device(shared, torch.int64, probs.device)] = torch.rand(len(shared), 1, dtype=torch.float64,
                                                                device=probs.device)
     for i, b in enumerate(sampled):
         if generators[b] is not None:

@@ -268,17 +268,22 @@ class VNNIWeight(PackedWeight):
             out._pack_rows(r0, codes, s16, m16)
         return out
 
+    @staticmethod
+    def _sym_of(qw: QuantWeight, bits: int, offset: int) -> float | None:
+        """The fixed min / scale ratio of symmetric codes (no mins, or Q4_0's min = -8 x scale), else None."""
+        if qw.mins is None:
+            return -float(offset)
+        if bits == 4 and torch.equal(qw.mins, qw.scales * -8):  # fp16: exact (a power of two)
+            return -8.0
+        return None
+
     @classmethod
     def from_qweight(cls, qw: QuantWeight, layout: tuple[int, int] | None = None) -> "VNNIWeight | None":
         """A 4-bit (codes 0..15) or 8-bit (int8 codes, stored + offset) QuantWeight, codes untouched;
         symmetric ones (no mins, or Q4_0's min = -8 x scale) hold their scales alone. layout:
         layout_of(qw) when the caller has it (it reads every code)."""
         bits, offset = layout or cls.layout_of(qw)
-        sym = None
-        if qw.mins is None:
-            sym = -float(offset)
-        elif bits == 4 and torch.equal(qw.mins, qw.scales * -8):  # fp16: exact (a power of two)
-            sym = -8.0
+        sym = cls._sym_of(qw, bits, offset)
 
         def chunk(r0: int, r1: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
             scale = qw.scales[r0:r1].float()
@@ -290,10 +295,26 @@ class VNNIWeight(PackedWeight):
         return cls.build(qw.shape, qw.group, bits, chunk, sym)
 
     @classmethod
-    def for_qweight(cls, qw: QuantWeight) -> "VNNIWeight | None":
-        """from_qweight where this CPU runs the kernel for qw's shape and codes, else None."""
+    def for_qweight(cls, qw: QuantWeight, smaller_than: int | None = None) -> "VNNIWeight | None":
+        """from_qweight where this CPU runs the kernel for qw's shape and codes (and, with
+        smaller_than, where the packed weight would take fewer bytes: decided before packing), else None."""
         layout = cls.layout_of(qw)
-        return cls.from_qweight(qw, layout) if cls.supports(qw.shape[1], qw.group, layout[0]) else None
+        if not cls.supports(qw.shape[1], qw.group, layout[0]):
+            return None
+        if smaller_than is not None and cls.nbytes_of(qw.shape, qw.group, layout[0],
+                                                      cls._sym_of(qw, *layout)) >= smaller_than:
+            return None
+        return cls.from_qweight(qw, layout)
+
+    @staticmethod
+    def nbytes_of(shape: tuple[int, int], group: int, bits: int, sym: float | None) -> int:
+        """Bytes the buffers of VNNIWeight(shape, group, bits, sym) take (as `nbytes()` counts them)."""
+        n, k = shape
+        nb = -(-n // Q4V_BLOCK)
+        per_word = 4 if bits == 8 else 8
+        planes = bits - 4 if bits in (5, 6) else 0
+        return (nb * (k // per_word) * Q4V_BLOCK * 4 + nb * (k // 32) * planes * Q4V_BLOCK * 4
+                + nb * (k // group) * (1 if sym is not None else 2) * Q4V_BLOCK * 2)
 
     def _shifts(self) -> torch.Tensor:
         return (32 // self.per_word) * torch.arange(self.per_word, dtype=torch.int64)

@@ -221,6 +221,10 @@ def test_vnni_packing_round_trips(ops, bits, n, k, group):
     assert torch.equal(out, dense[16:])
     idx = torch.tensor([0, n - 1, 17 % n, 5])
     assert torch.equal(packed.rows(idx, torch.float32), dense[idx])
+    # the size known before packing (TokenEmbedding keeps the smaller of the two forms)
+    assert VNNIWeight.nbytes_of(qw.shape, group, bits, packed.sym) == packed.nbytes()
+    assert VNNIWeight.for_qweight(qw, smaller_than=packed.nbytes()) is None
+    assert VNNIWeight.for_qweight(qw, smaller_than=packed.nbytes() + 1) is not None
 
 
 @pytest.mark.skipif(not cpu_ops.wanted() or cpu_ops.ops() is None or not cpu_ops.ops().qv_supported(),
