@@ -56,6 +56,9 @@ class _CalibrationBackend:
         self.pool = pool
         self.scale = scale
 
+    def rope_store(self, layer: int, qkv: torch.Tensor, rope: object, meta: AttentionMetadata) -> None:
+        return None  # nothing is stored
+
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
         self.pool.calibrate(layer, k)  # type: ignore[attr-defined]

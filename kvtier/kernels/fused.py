@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -173,7 +174,7 @@ def _check_qk_weights(q_weight: torch.Tensor | None, k_weight: torch.Tensor | No
 
 if HAVE_TRITON:
     @triton.jit
-    def _round(x, DTYPE: tl.constexpr):
+    def round_as(x, DTYPE: tl.constexpr):
         """fp32 x rounded to DTYPE and widened back: where torch stores an intermediate in DTYPE."""
         return x.to(DTYPE).to(tl.float32)
 
@@ -196,7 +197,7 @@ if HAVE_TRITON:
             mask = offs < H
             x = tl.load(x_row + offs, mask=mask, other=0.0).to(tl.float32)
             w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-            tl.store(y_row + offs, (w * _round(x * rstd, dtype)).to(dtype), mask=mask)
+            tl.store(y_row + offs, (w * round_as(x * rstd, dtype)).to(dtype), mask=mask)
 
     @triton.jit
     def _qk_norm_rope_kernel(qkv_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr, q_ptr, k_ptr,
@@ -225,11 +226,11 @@ if HAVE_TRITON:
             else:
                 w = tl.load(kw_ptr + offs, mask=mask, other=0.0).to(tl.float32)
                 wp = tl.load(kw_ptr + partner, mask=mask, other=0.0).to(tl.float32)
-            x = _round(w * _round(x * rstd, dtype), dtype)
-            p = _round(wp * _round(p * rstd, dtype), dtype)
+            x = round_as(w * round_as(x * rstd, dtype), dtype)
+            p = round_as(wp * round_as(p * rstd, dtype), dtype)
         c = tl.load(cos_ptr + t * cos_row_stride + offs, mask=mask, other=0.0).to(tl.float32)
         s = tl.load(sin_ptr + t * sin_row_stride + offs, mask=mask, other=0.0).to(tl.float32)
-        out = tl.fma(p, s, _round(x * c, dtype)).to(dtype)
+        out = tl.fma(p, s, round_as(x * c, dtype)).to(dtype)
         if h < HQ:
             tl.store(q_ptr + (t * HQ + h) * D + offs, out, mask=mask)
         else:
@@ -253,7 +254,7 @@ if HAVE_TRITON:
             e = libdevice.exp(-g)
         else:
             e = tl.exp(-g)
-        act = _round(tl.math.div_rn(g, 1.0 + e), dtype) * u
+        act = round_as(tl.math.div_rn(g, 1.0 + e), dtype) * u
         tl.store(out_ptr + row * inter + offs, act.to(dtype), mask=mask)
 
 
@@ -285,6 +286,39 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return y
 
 
+@dataclass(frozen=True)
+class QKRope:
+    """A layer's per-head q / k RMSNorm (Qwen3; weights None elsewhere) and rotary for one step's
+    qkv rows: what `qk_norm_rope` applies, and what a KV store fusing the rotary with its write
+    (kernels/kv_transform.py rope_store) is handed."""
+
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    cos: torch.Tensor  # [T, 1, D] (RotaryEmbedding)
+    sin_signed: torch.Tensor  # [T, 1, D]
+    q_weight: torch.Tensor | None
+    k_weight: torch.Tensor | None
+    eps: float
+
+    def check(self, qkv: torch.Tensor) -> None:
+        """ValueError unless qkv is [T, (Hq + 2 Hkv) * D] (last dim contiguous, even D) with cos /
+        sin_signed [T, 1, D] and both norm weights or neither."""
+        _check_qk_weights(self.q_weight, self.k_weight)
+        t, hq, hkv, d = qkv.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
+        if qkv.dim() != 2 or qkv.shape[1] != (hq + 2 * hkv) * d or d % 2 or qkv.stride(-1) != 1:
+            raise ValueError(f"qk_norm_rope: qkv {tuple(qkv.shape)} is not [T, ({hq} + 2 * {hkv}) * {d}] "
+                             "with even head_dim and a contiguous last dim")
+        for name, tab in (("cos", self.cos), ("sin_signed", self.sin_signed)):
+            if tab.shape[0] != t or tab.shape[-1] != d or tab.stride(-1) != 1 or tab.numel() != t * d:
+                raise ValueError(f"qk_norm_rope: {name} {tuple(tab.shape)} is not [{t}, 1, {d}]")
+
+    def apply(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """qkv -> q [T, Hq, D], k [T, Hkv, D] (apply_qk_norm_rope: may rotate qkv in place on CPU)."""
+        return apply_qk_norm_rope(qkv, self.num_heads, self.num_kv_heads, self.head_dim, self.cos,
+                                  self.sin_signed, self.q_weight, self.k_weight, self.eps)
+
+
 def qk_norm_rope(qkv: torch.Tensor, hq: int, hkv: int, d: int, cos: torch.Tensor, sin_signed: torch.Tensor,
                  q_weight: torch.Tensor | None, k_weight: torch.Tensor | None,
                  eps: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -294,14 +328,8 @@ def qk_norm_rope(qkv: torch.Tensor, hq: int, hkv: int, d: int, cos: torch.Tensor
     q_weight/k_weight: [d] or both None -> q [T, hq, d], k [T, hkv, d], new contiguous tensors.
     v stays in qkv (the caller slices it).
     """
-    _check_qk_weights(q_weight, k_weight)
+    QKRope(hq, hkv, d, cos, sin_signed, q_weight, k_weight, eps).check(qkv)
     t = qkv.shape[0]
-    if qkv.dim() != 2 or qkv.shape[1] != (hq + 2 * hkv) * d or d % 2 or qkv.stride(-1) != 1:
-        raise ValueError(f"qk_norm_rope: qkv {tuple(qkv.shape)} is not [T, ({hq} + 2 * {hkv}) * {d}] "
-                         "with even head_dim and a contiguous last dim")
-    for name, tab in (("cos", cos), ("sin_signed", sin_signed)):
-        if tab.shape[0] != t or tab.shape[-1] != d or tab.stride(-1) != 1 or tab.numel() != t * d:
-            raise ValueError(f"qk_norm_rope: {name} {tuple(tab.shape)} is not [{t}, 1, {d}]")
     q = torch.empty((t, hq, d), dtype=qkv.dtype, device=qkv.device)
     k = torch.empty((t, hkv, d), dtype=qkv.dtype, device=qkv.device)
     if t == 0:

@@ -28,12 +28,15 @@ from __future__ import annotations
 
 import torch
 
+from kvtier.kernels.fused import FP_FUSION, QKRope
 from kvtier.kv.formats import (FP8_E4M3_MAX, INT4_BIAS, INT4_MAX, INT8_MAX, MIN_SCALE, Codec, Fp8Codec,
                                Int4Codec, Int8Codec, KVFormat, PlainCodec, inv_sqrt_f32)
 
 try:
     import triton
     import triton.language as tl
+
+    from kvtier.kernels.fused import round_as
     HAVE_TRITON = True
 except ImportError:  # CPU-only installs: the pool's reference path is used
     HAVE_TRITON = False
@@ -75,19 +78,58 @@ if HAVE_TRITON:
         return x
 
     @triton.jit
-    def _transformed(x_ptr, t, tm, stride_xt, x_off, ph, shift_ptr, cs_ptr, rot_ptr, D: tl.constexpr,
-                     BLOCK_T: tl.constexpr, SMOOTH: tl.constexpr, ROTATE: tl.constexpr,
-                     INV_SQRT_D: tl.constexpr):
-        """Rows t [BLOCK_T] of one head (x_ptr + t * stride_xt + x_off + d) -> smoothed (param row
-        ph) and rotated rows [BLOCK_T, D] fp32 (see the module docstring for the two shapes)."""
+    def _head_rstd(head, t, tm, stride_t, eps, inv_d, D: tl.constexpr):
+        """1 / rms of rows t of one head (head + t * stride_t + d) -> [BLOCK_T, 1] fp32, as
+        kernels/fused.py's qk_norm_rope computes it."""
+        d = tl.arange(0, D)
+        x = tl.load(head + t[:, None] * stride_t + d[None, :], mask=tm, other=0.0).to(tl.float32)
+        return tl.rsqrt(tl.sum(x * x, axis=1) * inv_d + eps)[:, None]
+
+    @triton.jit
+    def _rope_cols(head, t, tm, stride_t, kk, rstd, w_ptr, cos_ptr, sin_ptr, stride_c, stride_s,
+                   D: tl.constexpr, HAS_NORM: tl.constexpr, DTYPE: tl.constexpr):
+        """Columns kk of rows t of one head after the per-head RMSNorm (HAS_NORM: rstd [BLOCK_T, 1]
+        from _head_rstd, weights w_ptr) and rotary (cos / sin rows t), fp32 rounded to DTYPE where
+        kernels/fused.py's qk_norm_rope rounds (so the rows stored are those the unfused path
+        stores): x, p = round(w * round(x * rstd)); out = round(fma(p, sin, round(x * cos)))."""
+        pk = tl.where(kk < D // 2, kk + D // 2, kk - D // 2)  # roll(x, D/2)[i] = x[pk[i]]
+        rows = head + t[:, None] * stride_t
+        x = tl.load(rows + kk[None, :], mask=tm, other=0.0).to(tl.float32)
+        p = tl.load(rows + pk[None, :], mask=tm, other=0.0).to(tl.float32)
+        if HAS_NORM:
+            w = tl.load(w_ptr + kk).to(tl.float32)[None, :]
+            wp = tl.load(w_ptr + pk).to(tl.float32)[None, :]
+            x = round_as(w * round_as(x * rstd, DTYPE), DTYPE)
+            p = round_as(wp * round_as(p * rstd, DTYPE), DTYPE)
+        c = tl.load(cos_ptr + t[:, None] * stride_c + kk[None, :], mask=tm, other=0.0).to(tl.float32)
+        s = tl.load(sin_ptr + t[:, None] * stride_s + kk[None, :], mask=tm, other=0.0).to(tl.float32)
+        return round_as(tl.fma(p, s, round_as(x * c, DTYPE)), DTYPE)
+
+    @triton.jit
+    def _load_cols(x_ptr, t, tm, stride_xt, x_off, kk, rstd, w_ptr, cos_ptr, sin_ptr, stride_c, stride_s,
+                   D: tl.constexpr, ROPE: tl.constexpr, HAS_NORM: tl.constexpr, DTYPE: tl.constexpr):
+        """Columns kk of rows t [BLOCK_T] of one head, fp32: as stored, or (ROPE) after _rope_cols."""
+        if ROPE:
+            return _rope_cols(x_ptr + x_off, t, tm, stride_xt, kk, rstd, w_ptr, cos_ptr, sin_ptr, stride_c,
+                              stride_s, D, HAS_NORM, DTYPE)
+        return tl.load(x_ptr + t[:, None] * stride_xt + x_off + kk[None, :], mask=tm, other=0.0).to(tl.float32)
+
+    @triton.jit
+    def _transformed(x_ptr, t, tm, stride_xt, x_off, ph, shift_ptr, cs_ptr, rot_ptr, rstd, w_ptr, cos_ptr,
+                     sin_ptr, stride_c, stride_s, D: tl.constexpr, BLOCK_T: tl.constexpr, SMOOTH: tl.constexpr,
+                     ROTATE: tl.constexpr, INV_SQRT_D: tl.constexpr, ROPE: tl.constexpr, HAS_NORM: tl.constexpr,
+                     DTYPE: tl.constexpr):
+        """Rows t [BLOCK_T] of one head (x_ptr + t * stride_xt + x_off + d; ROPE: after the head's
+        norm and rotary, the arguments rstd .. stride_s of `_rope_cols`) -> smoothed (param row ph)
+        and rotated rows [BLOCK_T, D] fp32 (see the module docstring for the two shapes)."""
         if ROTATE:
             CH: tl.constexpr = BK if BK < D else D
             acc = tl.zeros([BLOCK_T, D], tl.float32)
             j = tl.arange(0, D)
             for k0 in tl.static_range(0, D, CH):
                 kk = k0 + tl.arange(0, CH)
-                x = tl.load(x_ptr + t[:, None] * stride_xt + x_off + kk[None, :], mask=tm,
-                            other=0.0).to(tl.float32)
+                x = _load_cols(x_ptr, t, tm, stride_xt, x_off, kk, rstd, w_ptr, cos_ptr, sin_ptr, stride_c,
+                               stride_s, D, ROPE, HAS_NORM, DTYPE)
                 x = _smooth(x, kk, ph, shift_ptr, cs_ptr, D, SMOOTH)
                 if BLOCK_T == 1:  # one row: x @ R[kk] as a multiply-sum over R's rows from L2
                     r = tl.load(rot_ptr + kk[:, None] * D + j[None, :])  # [CH, D] fp32
@@ -104,7 +146,8 @@ if HAVE_TRITON:
                 return acc
             return acc * INV_SQRT_D
         d = tl.arange(0, D)
-        x = tl.load(x_ptr + t[:, None] * stride_xt + x_off + d[None, :], mask=tm, other=0.0).to(tl.float32)
+        x = _load_cols(x_ptr, t, tm, stride_xt, x_off, d, rstd, w_ptr, cos_ptr, sin_ptr, stride_c, stride_s, D,
+                       ROPE, HAS_NORM, DTYPE)
         return _smooth(x, d, ph, shift_ptr, cs_ptr, D, SMOOTH)
 
     @triton.jit(do_not_specialize=["T", "H", "G"])
@@ -115,8 +158,8 @@ if HAVE_TRITON:
         h = tl.program_id(1)
         t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
         tm = (t < T)[:, None]
-        y = _transformed(x_ptr, t, tm, stride_xt, h * stride_xh, h // G, cs_ptr, cs_ptr, rot_ptr, D, BLOCK_T,
-                         SMOOTH, ROTATE, INV_SQRT_D)
+        y = _transformed(x_ptr, t, tm, stride_xt, h * stride_xh, h // G, cs_ptr, cs_ptr, rot_ptr, 1.0, rot_ptr,
+                         rot_ptr, rot_ptr, 0, 0, D, BLOCK_T, SMOOTH, ROTATE, INV_SQRT_D, False, False, tl.float32)
         d = tl.arange(0, D)[None, :]
         tl.store(out_ptr + t[:, None] * stride_ot + h * stride_oh + d, y.to(out_ptr.dtype.element_ty), mask=tm)
 
@@ -170,12 +213,62 @@ if HAVE_TRITON:
         row = ((slot // S) * H + h) * S + slot % S  # [BLOCK_T]
         if tl.program_id(2) == 0:
             x = _transformed(k_ptr, t, tmask[:, None], stride_kt, h * stride_kh, h, shift_ptr, cs_ptr, rot_ptr,
-                             D, BLOCK_T, K_SMOOTH, K_ROTATE, INV_SQRT_D)
+                             1.0, rot_ptr, rot_ptr, rot_ptr, 0, 0, D, BLOCK_T, K_SMOOTH, K_ROTATE, INV_SQRT_D,
+                             False, False, tl.float32)
             _encode_rows(x, row, tmask, kd_ptr, ks_ptr, D, BLOCK_T, K_MODE, K_GROUP, K_QMAX, BIAS, MIN_S)
         else:
             x = _transformed(v_ptr, t, tmask[:, None], stride_vt, h * stride_vh, h, shift_ptr, cs_ptr, rot_ptr,
-                             D, BLOCK_T, SMOOTH_NONE, V_ROTATE, INV_SQRT_D)
+                             1.0, rot_ptr, rot_ptr, rot_ptr, 0, 0, D, BLOCK_T, SMOOTH_NONE, V_ROTATE, INV_SQRT_D,
+                             False, False, tl.float32)
             _encode_rows(x, row, tmask, vd_ptr, vs_ptr, D, BLOCK_T, V_MODE, V_GROUP, V_QMAX, BIAS, MIN_S)
+
+
+    @triton.jit(do_not_specialize=["T"])
+    def _rope_store_kernel(qkv_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr, q_ptr, k_ptr, slot_ptr, kd_ptr, ks_ptr,
+                           vd_ptr, vs_ptr, shift_ptr, cs_ptr, rot_ptr, stride_x, stride_c, stride_s, eps, inv_d,
+                           T, S, HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, BLOCK_T: tl.constexpr,
+                           INV_SQRT_D: tl.constexpr, HAS_NORM: tl.constexpr, K_MODE: tl.constexpr,
+                           K_GROUP: tl.constexpr, K_QMAX: tl.constexpr, K_SMOOTH: tl.constexpr,
+                           K_ROTATE: tl.constexpr, V_MODE: tl.constexpr, V_GROUP: tl.constexpr,
+                           V_QMAX: tl.constexpr, V_ROTATE: tl.constexpr, BIAS: tl.constexpr, MIN_S: tl.constexpr):
+        """BLOCK_T rows of head h of qkv [T, (HQ + 2 HKV) * D]: h < HQ a q head (norm + rotary -> q);
+        h < HQ + HKV a k head (norm + rotary -> k, and smoothed, rotated, encoded into the pages);
+        else a v head (rotated, encoded into the pages)."""
+        dtype = q_ptr.dtype.element_ty
+        h = tl.program_id(1)
+        t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+        tmask = t < T
+        tm = tmask[:, None]
+        t = t.to(tl.int64)
+        d = tl.arange(0, D)
+        head = qkv_ptr + h * D
+        rstd = tl.full([BLOCK_T, 1], 1.0, tl.float32)
+        if h < HQ:
+            if HAS_NORM:
+                rstd = _head_rstd(head, t, tm, stride_x, eps, inv_d, D)
+            x = _rope_cols(head, t, tm, stride_x, d, rstd, qw_ptr, cos_ptr, sin_ptr, stride_c, stride_s, D,
+                           HAS_NORM, dtype)
+            tl.store(q_ptr + (t[:, None] * HQ + h) * D + d[None, :], x.to(dtype), mask=tm)
+        elif h < HQ + HKV:
+            if HAS_NORM:
+                rstd = _head_rstd(head, t, tm, stride_x, eps, inv_d, D)
+            x = _rope_cols(head, t, tm, stride_x, d, rstd, kw_ptr, cos_ptr, sin_ptr, stride_c, stride_s, D,
+                           HAS_NORM, dtype)
+            hk = h - HQ
+            tl.store(k_ptr + (t[:, None] * HKV + hk) * D + d[None, :], x.to(dtype), mask=tm)
+            slot = tl.load(slot_ptr + t, mask=tmask, other=0).to(tl.int64)
+            row = ((slot // S) * HKV + hk) * S + slot % S
+            y = _transformed(head, t, tm, stride_x, 0, hk, shift_ptr, cs_ptr, rot_ptr, rstd, kw_ptr, cos_ptr,
+                             sin_ptr, stride_c, stride_s, D, BLOCK_T, K_SMOOTH, K_ROTATE, INV_SQRT_D, True,
+                             HAS_NORM, dtype)
+            _encode_rows(y, row, tmask, kd_ptr, ks_ptr, D, BLOCK_T, K_MODE, K_GROUP, K_QMAX, BIAS, MIN_S)
+        else:
+            hv = h - HQ - HKV
+            slot = tl.load(slot_ptr + t, mask=tmask, other=0).to(tl.int64)
+            row = ((slot // S) * HKV + hv) * S + slot % S
+            y = _transformed(head, t, tm, stride_x, 0, hv, shift_ptr, cs_ptr, rot_ptr, 1.0, rot_ptr, rot_ptr,
+                             rot_ptr, 0, 0, D, BLOCK_T, SMOOTH_NONE, V_ROTATE, INV_SQRT_D, False, False, dtype)
+            _encode_rows(y, row, tmask, vd_ptr, vs_ptr, D, BLOCK_T, V_MODE, V_GROUP, V_QMAX, BIAS, MIN_S)
 
 
 def transform_supported(x: torch.Tensor) -> bool:
@@ -238,3 +331,32 @@ def transform_store(fmt: KVFormat, st: dict[str, torch.Tensor], slots: torch.Ten
         K_SMOOTH=SMOOTH_K if smooth is not None else SMOOTH_NONE, K_ROTATE=fmt.rotate_k, V_ROTATE=fmt.rotate_v,
         BIAS=float(INT4_BIAS), MIN_S=MIN_SCALE, **_codec_args("K", fmt.k_codec, d),
         **_codec_args("V", fmt.v_codec, d), **args)
+
+
+def rope_store(fmt: KVFormat, st: dict[str, torch.Tensor], slots: torch.Tensor, qkv: torch.Tensor, rope: QKRope,
+               smooth: tuple[torch.Tensor, torch.Tensor] | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A step's qkv rows [T, (Hq + 2 Hkv) * D] -> q, k (after the per-head norm and rotary, as
+    `fused.qk_norm_rope` gives them) and v (a view of qkv), with k and v also stored into one pool
+    layer `st` at slots [T] as `transform_store` stores them: one launch where the unfused path
+    takes two (plain formats: three)."""
+    t, hq, hkv, d = qkv.shape[0], rope.num_heads, rope.num_kv_heads, rope.head_dim
+    rope.check(qkv)
+    q = torch.empty((t, hq, d), dtype=qkv.dtype, device=qkv.device)
+    k = torch.empty((t, hkv, d), dtype=qkv.dtype, device=qkv.device)
+    v = qkv[:, (hq + hkv) * d:].view(t, hkv, d)
+    if t == 0:
+        return q, k, v
+    (blocks, _), args, rot = _shape_args(t, d, qkv.device, fmt)
+    shift, cs = smooth if smooth is not None else (rot, rot)
+    has_norm = rope.q_weight is not None
+    qw = rope.q_weight.contiguous() if has_norm else q  # unread without the norm
+    kw = rope.k_weight.contiguous() if has_norm else k
+    _rope_store_kernel[(blocks, hq + 2 * hkv)](
+        qkv, rope.cos, rope.sin_signed, qw, kw, q, k, slots, st["k"], st.get("k_scale", st["k"]), st["v"],
+        st.get("v_scale", st["v"]), shift, cs, rot, qkv.stride(0), rope.cos.stride(0), rope.sin_signed.stride(0),
+        rope.eps, 1.0 / d, t, st["k"].shape[2], HQ=hq, HKV=hkv, HAS_NORM=has_norm,
+        K_SMOOTH=SMOOTH_K if smooth is not None else SMOOTH_NONE, K_ROTATE=fmt.rotate_k, V_ROTATE=fmt.rotate_v,
+        BIAS=float(INT4_BIAS), MIN_S=MIN_SCALE, **_codec_args("K", fmt.k_codec, d),
+        **_codec_args("V", fmt.v_codec, d), enable_fp_fusion=FP_FUSION, **args)
+    return q, k, v

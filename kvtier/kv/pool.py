@@ -16,7 +16,7 @@ from collections.abc import Sequence
 
 import torch
 
-from kvtier.kernels import cpu_ops, kv_quant, kv_transform
+from kvtier.kernels import cpu_ops, fused, kv_quant, kv_transform
 from kvtier.kv.formats import KVFormat
 
 # K smoothing: a channel's scale is at least this fraction of its head's median spread.
@@ -147,20 +147,40 @@ class PagePool:
         return (self.fmt.rotate(k) if self.fmt.rotate_k else k), (self.fmt.rotate(v) if self.fmt.rotate_v else v)
 
     def _fused_store(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
-        """Quantized formats on CUDA: smooth + rotate + encode + scatter of K and V in one launch
-        (kernels/kv_transform.py); False where it does not apply (plain formats keep their copy
-        kernel, odd head dims the reference path)."""
-        fmt = self.fmt
-        if not fmt.quantized or not kv_transform.transform_supported(k):
+        """On CUDA: smooth + rotate + encode + scatter of K and V in one launch (kernels/kv_transform.py;
+        plain formats: the cast and scatter of both); False where it does not apply (head dims
+        other than a power of two >= 16: the store kernels of kv_quant, else the reference)."""
+        if not kv_transform.transform_supported(k):
             return False
-        smooth = None
-        if fmt.smooth_k or self.k_channel_scale[layer] is not None:
-            shift, scale = self.k_shift[layer], self.k_channel_scale[layer]
-            if shift is None or scale is None:
-                return False
-            smooth = (shift, scale)
-        kv_transform.transform_store(fmt, self.layers[layer], slots, k, v, smooth)
-        return True
+        ok, smooth = self._kernel_smoothing(layer)
+        if ok:
+            kv_transform.transform_store(self.fmt, self.layers[layer], slots, k, v, smooth)
+        return ok
+
+    def _kernel_smoothing(self, layer: int) -> tuple[bool, tuple[torch.Tensor, torch.Tensor] | None]:
+        """(whether the store kernels can write this layer, its K smoothing (shift, channel_scale)
+        or None): not before a smoothing format's layer is calibrated (`write` calibrates)."""
+        if not (self.fmt.smooth_k or self.k_channel_scale[layer] is not None):
+            return True, None
+        shift, scale = self.k_shift[layer], self.k_channel_scale[layer]
+        if shift is None or scale is None:
+            return False, None
+        return True, (shift, scale)
+
+    def rope_store(self, layer: int, slots: torch.Tensor, qkv: torch.Tensor,
+                   rope: fused.QKRope) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """A step's qkv rows [T, (Hq + 2 Hkv) * D] -> q, k (per-head norm + rotary, as
+        `fused.qk_norm_rope`), v, with K / V written at slots as `write` writes them, in one launch
+        (kernels/kv_transform.py rope_store); None (nothing done) where that kernel does not apply:
+        not CUDA, a head dim other than a power of two >= 16, an uncalibrated smoothing layer. The
+        caller keeps rows at sequence position 0 (sink rows) away from it."""
+        if not slots.is_cuda or rope.head_dim != self.head_dim or not kv_transform.transform_supported(qkv.view(
+                qkv.shape[0], -1, rope.head_dim)):
+            return None
+        ok, smooth = self._kernel_smoothing(layer)
+        if not ok:
+            return None
+        return kv_transform.rope_store(self.fmt, self.layers[layer], slots, qkv, rope, smooth)
 
     def _store(self, st: dict[str, torch.Tensor], slots: torch.Tensor, k: torch.Tensor,
                v: torch.Tensor) -> None:

@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
 from kvtier.kernels import cpu_ops
+from kvtier.kernels.fused import QKRope
 
 
 @dataclass
@@ -116,6 +117,13 @@ class AttentionBackend(Protocol):
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
         """q: [T, Hq, D], k/v: [T, Hkv, D] -> out [T, Hq, D]."""
+
+    def rope_store(self, layer: int, qkv: torch.Tensor, rope: QKRope,
+                   meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """Optional fusion, called before `forward`: the layer's projected rows qkv [T, (Hq + 2 Hkv)
+        * D] -> (q, k, v) after rope's norm and rotary, K / V stored for this step in the same pass
+        (then `forward` of this layer stores nothing); None where the backend does not fuse (the
+        model applies rope itself and `forward` stores)."""
 
     def graph_ready(self, meta: AttentionMetadata) -> bool:
         """Whether this step can replay a captured decode graph."""
@@ -200,6 +208,9 @@ class DensePagedAttention:
 
     def pages_departed(self, page_ids: list[int], to_host: list[int]) -> None:
         """Nothing per page to follow."""
+
+    def rope_store(self, layer: int, qkv: torch.Tensor, rope: QKRope, meta: AttentionMetadata) -> None:
+        return None  # the reference: the model applies the rotary, `forward` stores
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:

@@ -4,8 +4,9 @@
             reference every other backend is tested against; runs everywhere.
     triton  TritonPagedAttention below: decode steps read the pages in place with the
             split-K kernel of kernels/paged_attention.py (every KV format, codes never
-            expanded to a dense copy) and can be captured in CUDA graphs; other steps
-            (prefill chunks, host-tier streaming) go through the dense reference.
+            expanded to a dense copy) and can be captured in CUDA graphs; prefill chunks run
+            its varlen kernel; the layer's rotary and K / V store are one launch (`rope_store`);
+            steps the kernels do not take go through the dense reference.
     retrieval  layers/retrieval.py RetrievalAttention: past a token budget (RetrievalConfig,
             `--kvmem-budget`), decode rows attend to sink + window + top-k pages per kv head;
             everything else is the dense reference. Never picked by `auto`.
@@ -19,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvtier.kernels.fused import QKRope
 from kvtier.layers.attention import AttentionMetadata, DensePagedAttention, host_head, plan_sink_rows
 from kvtier.layers.retrieval import RetrievalAttention, RetrievalConfig
 
@@ -164,6 +166,18 @@ class TritonPagedAttention:
             self.host_steps += 1
         meta.step_cache[id(self)] = _KernelPlan(splits, host=meta.reads_host)
 
+    def rope_store(self, layer: int, qkv: torch.Tensor, rope: QKRope,
+                   meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """Steps the paged kernels take, with no sink rows to keep: the layer's rotary and the
+        store of its K / V in one launch (PagePool.rope_store); `forward` then writes nothing."""
+        plan = meta.step_cache.get(id(self))
+        if not isinstance(plan, _KernelPlan) or plan.sink is not None:
+            return None
+        got = self.store.rope_store(layer, meta.slot_mapping, qkv, rope)
+        if got is not None:
+            meta.step_cache[(id(self), layer)] = True  # this layer's rows are in the pages
+        return got
+
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
         plan = meta.step_cache.get(id(self))
@@ -173,8 +187,9 @@ class TritonPagedAttention:
             return self.dense.forward(layer, q, k, v, meta)
         from kvtier.kernels.paged_attention import paged_decode, paged_prefill
         store = self.store
-        # decode rows are never at position 0: sink rows come only with prefill chunks
-        store.write(layer, meta.slot_mapping, k, v, sink=plan.sink)
+        if not meta.step_cache.pop((id(self), layer), False):  # not already written by rope_store
+            # decode rows are never at position 0: sink rows come only with prefill chunks
+            store.write(layer, meta.slot_mapping, k, v, sink=plan.sink)
         sink = store.kernel_sink(layer)
         fmt = store.fmt
         table, alt = meta.block_table, None

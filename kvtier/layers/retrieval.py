@@ -54,6 +54,7 @@ import torch
 
 from kvtier.config import RetrievalConfig
 from kvtier.kernels import cpu_ops
+from kvtier.kernels.fused import QKRope
 from kvtier.kv.summaries import PageSummaries
 from kvtier.layers.attention import AttentionMetadata, DensePagedAttention, plan_sink_rows
 
@@ -228,6 +229,9 @@ class RetrievalAttention:
         elif self._pins_set:
             self.pin_buf.fill_(-1)
             self._pins_set = False
+
+    def rope_store(self, layer: int, qkv: torch.Tensor, rope: QKRope, meta: AttentionMetadata) -> None:
+        return None  # `forward` updates the summaries from k before it stores
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:

@@ -119,23 +119,25 @@ class DecoderLayer(torch.nn.Module):
         """h: [T, H] in the residual dtype; cos/sin: [T, 1, D] (RotaryEmbedding) -> [T, H]"""
         t, hq, hkv, d = h.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
         qkv = self.qkv(self.input_norm(h, self.dtype))  # [T, (Hq + 2 Hkv) * D]
-        v = qkv[:, (hq + hkv) * d:].view(t, hkv, d)  # [T, Hkv, D]
-        q, k = self._rotated_qk(qkv, cos, sin)  # [T, Hq, D], [T, Hkv, D]
+        rope = self._rope(cos, sin)
+        # the backend may apply the rotary and store this step's K / V in one pass (kernels/kv_transform.py)
+        fused_qkv = backend.rope_store(layer_idx, qkv, rope, meta)
+        if fused_qkv is not None:
+            q, k, v = fused_qkv
+        else:
+            v = qkv[:, (hq + hkv) * d:].view(t, hkv, d)  # [T, Hkv, D]
+            # [T, Hq, D], [T, Hkv, D]: one Triton kernel on CUDA, one C++ call on CPU (in place on
+            # qkv, this layer's own output), else the references (kernels/fused.py)
+            q, k = rope.apply(qkv)
         o = backend.forward(layer_idx, q, k, v, meta)  # [T, Hq, D]
         h = self.o_proj.add_to(h, o.reshape(t, hq * d))
         return self.mlp(self.post_norm(h, self.dtype), residual=h)
 
-    def _rotated_qk(self, qkv: torch.Tensor, cos: torch.Tensor,
-                    sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """qkv: [T, (Hq + 2 Hkv) * D] -> q [T, Hq, D], k [T, Hkv, D]: per-head RMSNorm (Qwen3), then rotary.
-
-        One fused Triton kernel on CUDA, one C++ call on CPU (kernels/cpu_ops.py, in place on qkv);
-        else q_norm / k_norm then apply_rotary (kernels/fused.py).
-        """
+    def _rope(self, cos: torch.Tensor, sin: torch.Tensor) -> fused.QKRope:
+        """This step's per-head RMSNorm (Qwen3) and rotary of q and k."""
         qn, kn = self.q_norm, self.k_norm
         qw, kw, eps = (qn.weight, kn.weight, qn.eps) if qn is not None and kn is not None else (None, None, 0.0)
-        # qkv is this layer's own output: the CPU kernel may rotate it in place
-        return fused.apply_qk_norm_rope(qkv, self.num_heads, self.num_kv_heads, self.head_dim, cos, sin, qw, kw, eps)
+        return fused.QKRope(self.num_heads, self.num_kv_heads, self.head_dim, cos, sin, qw, kw, eps)
 
 
 class TokenEmbedding(torch.nn.Module):
@@ -150,8 +152,8 @@ class TokenEmbedding(torch.nn.Module):
         if isinstance(table, QuantWeight):
             # CPU: the VNNI layout where it holds the codes in fewer bytes (a Q5_0 / Q6_K table:
             # 5 / 6 bits, not 8); its rows are the same values (tests/layers/test_cpu_ops.py)
-            packed = VNNIWeight.for_qweight(table) if table.device.type == "cpu" else None
-            self.table = packed if packed is not None and packed.nbytes() < table.nbytes() else QuantRef(table)
+            packed = VNNIWeight.for_qweight(table, smaller_than=table.nbytes()) if table.device.type == "cpu" else None
+            self.table = packed if packed is not None else QuantRef(table)
         # a tied QuantLinear stays out of this module's tree (it is the decoder's head)
         self.head_rows = table.rows if isinstance(table, QuantLinear) else None
 

@@ -39,6 +39,22 @@ def test_fused_transform_store_matches_pool_reference_cuda(name: str, dtype: tor
                                        n_rows=rows, device="cuda", dtype=dtype, gqa=4)
 
 
+@pytest.mark.parametrize("name", FORMAT_NAMES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("gqa", [1, 4, 8])
+def test_rope_store_matches_unfused_cuda(name: str, dtype: torch.dtype, head_dim: int, gqa: int) -> None:
+    """norm + rotary + K / V store in one kernel == the qk_norm_rope kernel (q, k bit-equal), then
+    the pool's reference write; decode rows (one a program) and prefill tiles, with and without
+    the per-head norm."""
+    import kvtier.kernels.kv_transform as kt
+    if dtype == torch.float32 and gqa != 4:
+        pytest.skip("the GQA ratios run in bf16")
+    for rows, norm in ((3, True), (333, True), (1, False), (40, False)):
+        kernel_cases.check_rope_store(kt, name, heads=8, page_size=16, head_dim=head_dim, num_pages=64,
+                                      n_rows=rows, device="cuda", dtype=dtype, gqa=gqa, norm=norm)
+
+
 @pytest.mark.parametrize("name", ["fp32", "bf16", "fp16"])
 def test_plain_store_kernel_matches_reference_cuda(name: str) -> None:
     import kvtier.kernels.kv_quant as kq

@@ -90,6 +90,71 @@ def check_plain_store(kq: ModuleType, name: str, heads: int, page_size: int, hea
         assert torch.equal(ref[key], got[key]), f"{name}: plain store of {key} differs"
 
 
+def _check_pages(name: str, fmt, ref: dict[str, torch.Tensor], got: dict[str, torch.Tensor], head_dim: int) -> None:
+    """Pages a kernel wrote (got) against the reference's (ref): plain formats exactly; codes
+    within one quantization step, almost all exactly (the kernels' rotation rounds in other last
+    bits than the reference's fp32 matmul, so a value on a rounding edge may take its neighbour)."""
+    if not fmt.quantized:
+        for key in ref:
+            assert torch.equal(ref[key], got[key].cpu()), f"{name}: {key} pages differ"
+        return
+    for kv, codec in (("k", fmt.k_codec), ("v", fmt.v_codec)):
+        part = {sfx: ref[kv + sfx] for sfx in codec.parts(head_dim)}
+        want = codec.decode(part, torch.float32)
+        have = codec.decode({sfx: got[kv + sfx].cpu() for sfx in codec.parts(head_dim)}, torch.float32)
+        err = (want - have).abs()
+        if name == "fp8":  # e4m3 steps are relative (1/8 of a binade); the interpreter's cast may
+            # halve a value rounding up to 2^n (see fp8_codes_match): allow that on a few codes
+            near = err <= want.abs() / 8 + 1e-3
+            assert bool((err <= want.abs() / 2 + 1e-3).all()) and near.float().mean() >= 0.97, \
+                f"fp8 {kv}: fused store differs beyond rounding"
+        else:
+            step = (want.abs().amax(-1, keepdim=True) / (7 if "4" in type(codec).__name__ else 127)).clamp_min(1e-6)
+            assert bool((err <= step * 1.01).all()), \
+                f"{name} {kv}: fused store off by {float((err / step).max()):.2f} steps"
+        same = (ref[kv] == got[kv].cpu()).float().mean()
+        assert same >= 0.97, f"{name} {kv}: only {float(same):.3f} of the codes equal the reference"
+
+
+def check_rope_store(kt: ModuleType, name: str, heads: int, page_size: int, head_dim: int, num_pages: int,
+                     n_rows: int, device: str, dtype: torch.dtype, gqa: int = 4, norm: bool = True) -> None:
+    """kv_transform.rope_store (per-head norm + rotary of q and k, and K / V transformed, encoded and
+    scattered, in one launch) == the qk_norm_rope kernel it replaces (q and k bit-equal) then the
+    pool's reference write of its k and v (pages as _check_pages)."""
+    from kvtier.kernels import fused
+    from kvtier.kv.pool import PagePool
+    from kvtier.layers.rotary import RotaryEmbedding
+    fmt = make_format(name)
+    dev = torch.device(device)
+    g = torch.Generator().manual_seed(zlib.crc32(b"rope" + name.encode()))
+    hq = heads * gqa
+    pool = PagePool(fmt, 1, num_pages, heads, page_size, head_dim, "cpu", compute_dtype=dtype)
+    if fmt.smooth_k:
+        calib = torch.randn(64, heads, head_dim, generator=g) * 3 + torch.randn(heads, head_dim, generator=g) * 5
+        pool.calibrate(0, calib.to(dtype))
+    slots = torch.randperm(num_pages * page_size, generator=g)[:n_rows]
+    qkv = (torch.randn(n_rows, (hq + 2 * heads) * head_dim, generator=g) * 2 + 0.5).to(dtype)
+    positions = torch.randint(0, 4096, (n_rows,), generator=g)
+    cos, sin = RotaryEmbedding(head_dim, 10000.0, 4096, dtype=dtype, device="cpu")(positions, max_pos=4095)
+    qw, kw = ((torch.rand(head_dim, generator=g) + 0.5).to(dtype) for _ in range(2)) if norm else (None, None)
+    eps = 1e-6
+    on = (lambda t: None if t is None else t.to(dev))
+    rope = fused.QKRope(hq, heads, head_dim, cos.to(dev), sin.to(dev), on(qw), on(kw), eps)
+    q_ref, k_ref = (t.cpu() for t in fused.qk_norm_rope(qkv.to(dev), hq, heads, head_dim, rope.cos, rope.sin_signed,
+                                                         rope.q_weight, rope.k_weight, eps))
+    v_ref = qkv[:, (hq + heads) * head_dim:].view(n_rows, heads, head_dim)
+    pool.write(0, slots, k_ref, v_ref)  # the CPU reference path (smooth, rotate, encode, scatter)
+    ref = {key: t[0] for key, t in pool.storage.items()}
+    got = fmt.allocate(num_pages, heads, page_size, head_dim, dev)
+    smooth = (pool.k_shift[0].to(dev), pool.k_channel_scale[0].to(dev)) if fmt.smooth_k else None
+    q, k, v = kt.rope_store(fmt, got, slots.to(dev), qkv.to(dev), rope, smooth)
+    assert torch.equal(v.cpu(), v_ref)
+    for nm, want, have in (("q", q_ref, q), ("k", k_ref, k)):
+        assert torch.equal(want, have.cpu()), \
+            f"{name}: rope_store {nm} differs from qk_norm_rope by {(want.float() - have.cpu().float()).abs().max()}"
+    _check_pages(name, fmt, ref, got, head_dim)
+
+
 def check_fused_store(kt: ModuleType, name: str, heads: int, page_size: int, head_dim: int, num_pages: int,
                       n_rows: int, device: str, dtype: torch.dtype, gqa: int = 4) -> None:
     """kv_transform.transform_store (smooth + rotate + encode + scatter in one launch) == the pool's reference
@@ -117,22 +182,7 @@ def check_fused_store(kt: ModuleType, name: str, heads: int, page_size: int, hea
     got = fmt.allocate(num_pages, heads, page_size, head_dim, dev)
     smooth = (pool.k_shift[0].to(dev), pool.k_channel_scale[0].to(dev))
     kt.transform_store(fmt, got, slots.to(dev), k.to(dev), v.to(dev), smooth)
-    for kv, codec in (("k", fmt.k_codec), ("v", fmt.v_codec)):
-        part = {sfx: ref[kv + sfx] for sfx in codec.parts(head_dim)}
-        want = codec.decode(part, torch.float32)
-        have = codec.decode({sfx: got[kv + sfx].cpu() for sfx in codec.parts(head_dim)}, torch.float32)
-        err = (want - have).abs()
-        if name == "fp8":  # e4m3 steps are relative (1/8 of a binade); the interpreter's cast may
-            # halve a value rounding up to 2^n (see fp8_codes_match): allow that on a few codes
-            near = err <= want.abs() / 8 + 1e-3
-            assert bool((err <= want.abs() / 2 + 1e-3).all()) and near.float().mean() >= 0.97, \
-                f"fp8 {kv}: fused store differs beyond rounding"
-        else:
-            step = (want.abs().amax(-1, keepdim=True) / (7 if "4" in type(codec).__name__ else 127)).clamp_min(1e-6)
-            assert bool((err <= step * 1.01).all()), \
-                f"{name} {kv}: fused store off by {float((err / step).max()):.2f} steps"
-        same = (ref[kv] == got[kv].cpu()).float().mean()
-        assert same >= 0.97, f"{name} {kv}: only {float(same):.3f} of the codes equal the reference"
+    _check_pages(name, fmt, ref, got, head_dim)
     q = torch.randn(n_rows, heads * gqa, head_dim, generator=g).to(dtype)
     want_q = pool.native_q(0, q)
     have_q = kt.transform_rows(fmt, q.to(dev), True, pool.k_channel_scale[0].to(dev)).cpu()
@@ -172,6 +222,14 @@ def main() -> None:
                               dtype=torch.float32, gqa=2)
         except AssertionError as e:
             failures.append(f"fused {name} head_dim={hd} rows={rows}: {e}")
+    # rope + store: plain and quantized formats, with and without the qk norm, row and tiled programs
+    for name, rows, norm in [("fp32", 3, True), ("int8", 3, True), ("k8v4", 19, True), ("int4", 2, False),
+                             ("fp8", 19, False), ("fp32", 19, False)]:
+        try:
+            check_rope_store(kt, name, heads=2, page_size=4, head_dim=16, num_pages=8, n_rows=rows, device="cpu",
+                             dtype=torch.float32, gqa=2, norm=norm)
+        except AssertionError as e:
+            failures.append(f"rope_store {name} rows={rows} norm={norm}: {e}")
     print("\n".join(failures) if failures else "ALL OK")
 
 
