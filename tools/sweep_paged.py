@@ -1,11 +1,10 @@
 """GPU time of paged_decode per launch-parameter variant (CUDA-graph replay: no launch overhead).
 
-    python3 tools/sweep_paged.py [--default | --few | --int8-dot]
+    python3 tools/sweep_paged.py [--default | --few]
 
 For each (warps, stages, tile bytes) variant and each format: B=1 at 32K and B=32 at 8K
 context (Hkv 8, Hq 32, D 128, scattered 16-token pages), 20 calls captured in one graph and
-replayed; prints us per call and GB/s of K/V bytes read. --int8-dot: the default variant with the
-int8 codes dotted on int8 tensor cores (paged_attention.INT8_DOT) and converted to fp16.
+replayed; prints us per call and GB/s of K/V bytes read.
 """
 
 from __future__ import annotations
@@ -68,13 +67,6 @@ def main() -> None:
     long_tile = pa.LONG_TILE_BYTES
     print(f"default warps/stages/tile/programs-per-SM = {base}")
     variants = itertools.product((4, 8), (2, 3), (8192, 16384, 32768), (4,))
-    if "--int8-dot" in sys.argv:
-        for on in (False, True):
-            pa.INT8_DOT = on
-            row = [f"{name} B{b} {c // 1024}K {time_case(pools[name], b, c, pa.choose_num_splits(b, HKV, c, PS, sms)):7.1f}us"
-                   for name in ("bf16", "int8", "k8v4") for b, c in CASES]
-            print(f"INT8_DOT {on}: " + " | ".join(row), flush=True)
-        return
     if "--default" in sys.argv:
         variants = [base]
     elif "--few" in sys.argv:  # the default and longer tiles (what the code formats may want)

@@ -87,12 +87,6 @@ FP32_DOT = "tf32x3"
 # Splits merged per iteration of the merge kernel (bounds its registers for any num_splits).
 MERGE_CHUNK = 16
 LOG2E = 1.4426950408889634  # exp(x) = exp2(x * LOG2E): the kernels use exp2
-# int8 codes on int8 tensor cores (decode, 16-bit q): q (and, for int8 V, the probabilities times
-# V's row scales) split into two int8 halves, hi + lo / 256 of a per-row scale (~2^-16 of the
-# row's largest value: finer than fp16), each dotted with the codes as stored (int32 sums, exact),
-# so the [BLOCK_N, D] code tiles are never converted: the conversion, not the bytes, bounded the
-# int8 formats (H200: 42.3 us a 32K layer, bf16 42.6, at half the bytes). False: codes -> fp16.
-INT8_DOT = True
 
 # choose_num_splits: programs per SM to aim for (several resident programs hide load latency).
 PROGRAMS_PER_SM = 4
@@ -123,7 +117,7 @@ if HAVE_TRITON:
 
     @triton.jit
     def _tile(data_ptr, scale_ptr, row, srow, valid, MODE: tl.constexpr, D: tl.constexpr, GROUP: tl.constexpr,
-              BLOCK_N: tl.constexpr, BIAS: tl.constexpr, HALF: tl.constexpr = False, RAW: tl.constexpr = False):
+              BLOCK_N: tl.constexpr, BIAS: tl.constexpr, HALF: tl.constexpr = False):
         """Rows of one layer's K or V pages -> (tile [BLOCK_N, D], row scale [BLOCK_N] fp32).
 
         row / srow: [BLOCK_N] int64 row index (page * Hkv + head) * S + offset into the data /
@@ -131,14 +125,10 @@ if HAVE_TRITON:
         int8 / fp8 come back as codes (exact in fp32 and in bf16/fp16) with their per-row
         scale, which the caller applies to the [G, BLOCK_N] scores or probabilities instead
         of the [BLOCK_N, D] tile (D times fewer multiplies). Plain tiles come back as stored,
-        int4 tiles decoded in fp32 (their scales vary along D); both with scale 1. RAW (int8):
-        the int8 codes as stored, for int8 tensor-core dots (INT8_DOT).
+        int4 tiles decoded in fp32 (their scales vary along D); both with scale 1.
         """
         rs = tl.full([BLOCK_N], 1.0, tl.float32)
-        if MODE == MODE_INT8 and RAW:
-            tile = tl.load(data_ptr + row[:, None] * D + tl.arange(0, D)[None, :], mask=valid[:, None], other=0)
-            rs = tl.load(scale_ptr + srow, mask=valid, other=0.0).to(tl.float32)
-        elif MODE == MODE_INT4 and HALF and GROUP >= 8:
+        if MODE == MODE_INT4 and HALF and GROUP >= 8:
             # eight codes a 32-bit word: nibble k of each half-word under an fp16 exponent of 1024
             # (integer ops, no I2F), minus 1024 + 8; times the fp16 group scale (one rounding, as
             # the fp32 product rounded to fp16)
@@ -285,11 +275,10 @@ if HAVE_TRITON:
     def _kv_tiles(k_ptr, ks_ptr, v_ptr, vs_ptr, page, h, in_page, valid, ad_k, ad_ks, ad_v, ad_vs, Hkv,
                   S: tl.constexpr, D: tl.constexpr, K_MODE: tl.constexpr, V_MODE: tl.constexpr,
                   K_GROUP: tl.constexpr, V_GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BIAS: tl.constexpr,
-                  K_HALF: tl.constexpr, V_HALF: tl.constexpr, ALT: tl.constexpr, K_RAW: tl.constexpr = False,
-                  V_RAW: tl.constexpr = False):
+                  K_HALF: tl.constexpr, V_HALF: tl.constexpr, ALT: tl.constexpr):
         """K and V tiles (with row scales) of the tokens at page ids `page` (int64 [BLOCK_N]),
         offsets in_page, kv head h. ALT: a negative id is page -1 - id of the alternate source,
-        whose tensors sit ad_* rows from the pool's (AltPages). K_RAW / V_RAW: `_tile`'s RAW."""
+        whose tensors sit ad_* rows from the pool's (AltPages)."""
         if ALT:
             alt = page < 0
             row = (tl.where(alt, -1 - page, page) * Hkv + h) * S + in_page
@@ -298,26 +287,9 @@ if HAVE_TRITON:
         else:
             row = (page * Hkv + h) * S + in_page
             k_row, ks_row, v_row, vs_row = row, row, row, row
-        k, ks = _tile(k_ptr, ks_ptr, k_row, ks_row, valid, K_MODE, D, K_GROUP, BLOCK_N, BIAS, K_HALF, K_RAW)
-        v, vs = _tile(v_ptr, vs_ptr, v_row, vs_row, valid, V_MODE, D, V_GROUP, BLOCK_N, BIAS, V_HALF, V_RAW)
+        k, ks = _tile(k_ptr, ks_ptr, k_row, ks_row, valid, K_MODE, D, K_GROUP, BLOCK_N, BIAS, K_HALF)
+        v, vs = _tile(v_ptr, vs_ptr, v_row, vs_row, valid, V_MODE, D, V_GROUP, BLOCK_N, BIAS, V_HALF)
         return k, ks, v, vs
-
-    @triton.jit
-    def _int8_halves(x, axis: tl.constexpr):
-        """Rows of x (fp32, reduced along `axis`) -> (hi, lo) int8 and the row scale sc (x's row
-        max / 127, shaped to broadcast): x ~ sc (hi + lo / 256), within sc / 512 an element."""
-        amax = tl.max(tl.abs(x), axis=axis, keep_dims=True)
-        sc = tl.where(amax > 0.0, amax / 127.0, 1.0)
-        hi = tl.floor(x / sc + 0.5)
-        lo = tl.floor((x - hi * sc) * (256.0 / sc) + 0.5)
-        lo = tl.minimum(tl.maximum(lo, -128.0), 127.0)
-        return hi.to(tl.int8), lo.to(tl.int8), sc
-
-    @triton.jit
-    def _int8_dot(hi, lo, sc, codes):
-        """(hi + lo / 256) sc @ codes: two int8 tensor-core products (int32 sums), one fp32 combine."""
-        return (tl.dot(hi, codes, out_dtype=tl.int32).to(tl.float32)
-                + tl.dot(lo, codes, out_dtype=tl.int32).to(tl.float32) * (1.0 / 256.0)) * sc
 
     # Runtime ints that may be 1 or multiples of 16: not specialised on value (one compile serves all).
     @triton.jit(do_not_specialize=["Hkv", "G", "num_splits", "stride_bt", "n_sel", *ALT_ARGS])
@@ -330,7 +302,7 @@ if HAVE_TRITON:
                       V_GROUP: tl.constexpr, BIAS: tl.constexpr, HAS_SINK: tl.constexpr,
                       SINGLE: tl.constexpr, DOT_PREC: tl.constexpr, Q_SMOOTH: tl.constexpr,
                       Q_ROTATE: tl.constexpr, INV_SQRT_D: tl.constexpr, SELECTED: tl.constexpr,
-                      SEL_VALID: tl.constexpr, ALT: tl.constexpr, I8: tl.constexpr = False):
+                      SEL_VALID: tl.constexpr, ALT: tl.constexpr):
         """One (sequence b, kv head h, split sp): softmax partial of the G query heads of h.
 
         SELECTED (retrieval_attention.paged_decode_selected): row b's kv head h reads its own
@@ -365,10 +337,6 @@ if HAVE_TRITON:
             q = _native_q(q_rows, (g < G)[:, None], cs_ptr + h * D, sign_ptr, q.dtype, D, G_PAD, Q_SMOOTH,
                           Q_ROTATE, INV_SQRT_D)
         half: tl.constexpr = q.dtype != tl.float32  # 16-bit q: code tiles are dotted in fp16
-        K8: tl.constexpr = I8 and half and K_MODE == MODE_INT8  # int8 K codes on int8 tensor cores
-        V8: tl.constexpr = I8 and half and V_MODE == MODE_INT8
-        if K8:  # q in two int8 halves, once
-            q_hi, q_lo, q_sc = _int8_halves(q.to(tl.float32), 1)
         m_i = tl.full([G_PAD], float("-inf"), tl.float32)  # running max of the scores (log2 units)
         l_i = tl.zeros([G_PAD], tl.float32)  # running sum of exp2(score - m_i)
         acc = tl.zeros([G_PAD, D], tl.float32)  # running sum of exp2(score - m_i) * v
@@ -409,10 +377,8 @@ if HAVE_TRITON:
                 page = tl.load(bt_ptr + b * stride_bt + pidx, mask=pidx < p_hi, other=0).to(tl.int64)
             k, ks, v, vs = _kv_tiles(k_ptr, ks_ptr, v_ptr, vs_ptr, page, h, in_page, valid, ad_k, ad_ks, ad_v,
                                      ad_vs, Hkv, S, D, K_MODE, V_MODE, K_GROUP, V_GROUP, BLOCK_N, BIAS, half,
-                                     half, ALT, K8, V8)
-            if K8:
-                s = _int8_dot(q_hi, q_lo, q_sc, tl.trans(k))  # [G_PAD, BLOCK_N]
-            elif K_MODE == MODE_PLAIN or q.dtype == tl.float32:
+                                     half, ALT)
+            if K_MODE == MODE_PLAIN or q.dtype == tl.float32:
                 s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PREC)  # [G_PAD, BLOCK_N]
             else:  # fp16 code tiles: the dot in fp16 (q cast once), no conversion of the tile
                 s = tl.dot(q.to(tl.float16), tl.trans(k), input_precision=DOT_PREC)
@@ -426,10 +392,7 @@ if HAVE_TRITON:
             l_i = l_i * alpha + tl.sum(p, axis=1)
             if V_MODE == MODE_INT8 or V_MODE == MODE_FP8:
                 p = p * vs[None, :]
-            if V8:
-                p_hi, p_lo, p_sc = _int8_halves(p, 1)
-                pv = _int8_dot(p_hi, p_lo, p_sc, v)
-            elif V_MODE == MODE_PLAIN or q.dtype == tl.float32:
+            if V_MODE == MODE_PLAIN or q.dtype == tl.float32:
                 pv = tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=DOT_PREC)
             else:
                 pv = tl.dot(p.to(tl.float16), v, input_precision=DOT_PREC)
@@ -541,8 +504,8 @@ def split_constants(fmt: KVFormat, head_dim: int, page_size: int, gqa: int, dtyp
         fold = dict(Q_SMOOTH=native.channel_scale is not None, Q_ROTATE=native.rotate_q,
                     INV_SQRT_D=inv_sqrt_f32(head_dim))
     return dict(S=page_size, D=head_dim, G_PAD=max(MIN_DOT_ROWS, _pow2(gqa)), PAGES=pages,
-                HAS_SINK=has_sink, SINGLE=single, SELECTED=selected, SEL_VALID=sel_valid, ALT=alt, I8=INT8_DOT,
-                **fold, **_codec_constants(fmt, head_dim, dtype))
+                HAS_SINK=has_sink, SINGLE=single, SELECTED=selected, SEL_VALID=sel_valid, ALT=alt, **fold,
+                **_codec_constants(fmt, head_dim, dtype))
 
 
 def choose_num_splits(batch: int, kv_heads: int, max_context: int, page_size: int, num_sms: int) -> int:
