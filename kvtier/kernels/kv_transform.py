@@ -272,9 +272,13 @@ if HAVE_TRITON:
 
 
 def transform_supported(x: torch.Tensor) -> bool:
-    """Whether the kernels take rows x [T, H, D]: Triton, a power-of-two D >= 16 (where
-    formats.hadamard is one Sylvester block, whose signs the tiled kernels build)."""
-    d = x.shape[-1]
+    """Whether the kernels take rows x [T, H, D] (`head_dim_supported(D)`)."""
+    return head_dim_supported(x.shape[-1])
+
+
+def head_dim_supported(d: int) -> bool:
+    """Triton and a power-of-two head dim >= 16 (where formats.hadamard is one Sylvester block,
+    whose signs the tiled kernels build)."""
     return HAVE_TRITON and d >= 16 and d & (d - 1) == 0
 
 

@@ -174,8 +174,7 @@ class PagePool:
         (kernels/kv_transform.py rope_store); None (nothing done) where that kernel does not apply:
         not CUDA, a head dim other than a power of two >= 16, an uncalibrated smoothing layer. The
         caller keeps rows at sequence position 0 (sink rows) away from it."""
-        if not slots.is_cuda or rope.head_dim != self.head_dim or not kv_transform.transform_supported(qkv.view(
-                qkv.shape[0], -1, rope.head_dim)):
+        if not slots.is_cuda or rope.head_dim != self.head_dim or not kv_transform.head_dim_supported(self.head_dim):
             return None
         ok, smooth = self._kernel_smoothing(layer)
         if not ok:
