@@ -31,9 +31,6 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
-from triton.language.extra import libdevice
-
-from kvtier.kernels.fused import round_as
 
 # x is scaled by 2^-XSHIFT before it becomes fp16 (exact), so that a chunk's fp16 sum stays
 # finite: 32 products of |c - 8| <= 8 (4-bit, 2^-5) or 16 of |c| <= 128 (8-bit, 2^-8) overflow only
@@ -176,28 +173,10 @@ def _chunk_dot(w, xa, xb, xc, xd, BITS: tl.constexpr, ASM: tl.constexpr):
 
 
 @triton.jit
-def _x_at(x1, idx, K, SILU: tl.constexpr, ASM: tl.constexpr):
-    """x[idx] in fp32; SILU: x1 is a [2K] gate|up row and x = silu(gate) * up rounded as
-    kernels/fused.py's silu_mul rounds it (libdevice's expf, IEEE division; the interpreter:
-    numpy's exp), so the product equals the unfused silu_mul + matmul's."""
-    x = tl.load(x1 + idx)
-    if SILU:
-        g = x.to(tl.float32)
-        u = tl.load(x1 + K + idx).to(tl.float32)
-        if ASM:
-            e = libdevice.exp(-g)
-        else:
-            e = tl.exp(-g)
-        x = (round_as(tl.math.div_rn(g, 1.0 + e), x.dtype) * u).to(x.dtype)
-    return x.to(tl.float32)
-
-
-@triton.jit
-def _x_pair(x1, col, a: tl.constexpr, b: tl.constexpr, scale: tl.constexpr, K, SILU: tl.constexpr,
-            ASM: tl.constexpr):
+def _x_pair(x1, col, a: tl.constexpr, b: tl.constexpr, scale: tl.constexpr, ASM: tl.constexpr):
     """fp16 pair (x[col + a], x[col + b]) * scale."""
-    lo = _x_at(x1, col + a, K, SILU, ASM) * scale
-    hi = _x_at(x1, col + b, K, SILU, ASM) * scale
+    lo = tl.load(x1 + col + a).to(tl.float32) * scale
+    hi = tl.load(x1 + col + b).to(tl.float32) * scale
     return _pack_half2(lo, hi, ASM)
 
 
@@ -221,9 +200,8 @@ def _gemv_kernel(x_ptr, q_ptr, s_ptr, mn_ptr, b_ptr, r_ptr, y_ptr, p_ptr, M, N, 
                  BITS: tl.constexpr, GROUP: tl.constexpr, HAS_MINS: tl.constexpr, HAS_BIAS: tl.constexpr,
                  HAS_RES: tl.constexpr, BLOCK_N: tl.constexpr, ROWS: tl.constexpr, LANES: tl.constexpr,
                  CPT: tl.constexpr, PARTIAL: tl.constexpr, PREFETCH: tl.constexpr, ASM: tl.constexpr,
-                 DOT_PREC: tl.constexpr, SILU: tl.constexpr = False):
-    """Program (x row, row block, K slice): module docstring. q_ptr: the codes as int32 words.
-    SILU: x rows are [gate | up] (2K wide) and the kernel multiplies silu(gate) * up (`_x_at`)."""
+                 DOT_PREC: tl.constexpr):
+    """Program (x row, row block, K slice): module docstring. q_ptr: the codes as int32 words."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -238,16 +216,16 @@ def _gemv_kernel(x_ptr, q_ptr, s_ptr, mn_ptr, b_ptr, r_ptr, y_ptr, p_ptr, M, N, 
     col = k_lo + c4 * CH + tl.arange(0, 4)[None, None, None, :] * CPW  # first column of each word
     x1 = x_ptr + pid_m.to(tl.int64) * stride_xm
     if BITS == 4:
-        xa = _x_pair(x1, col, 0, 4, XSCALE, K, SILU, ASM)
-        xb = _x_pair(x1, col, 1, 5, XSCALE, K, SILU, ASM)
-        xc = _x_pair(x1, col, 2, 6, XSCALE, K, SILU, ASM)
-        xd = _x_pair(x1, col, 3, 7, XSCALE, K, SILU, ASM)
+        xa = _x_pair(x1, col, 0, 4, XSCALE, ASM)
+        xb = _x_pair(x1, col, 1, 5, XSCALE, ASM)
+        xc = _x_pair(x1, col, 2, 6, XSCALE, ASM)
+        xd = _x_pair(x1, col, 3, 7, XSCALE, ASM)
     else:
-        xa = _x_pair(x1, col, 0, 2, XSCALE, K, SILU, ASM)
-        xb = _x_pair(x1, col, 1, 3, XSCALE, K, SILU, ASM)
+        xa = _x_pair(x1, col, 0, 2, XSCALE, ASM)
+        xb = _x_pair(x1, col, 1, 3, XSCALE, ASM)
         xc = xa  # unused by the 8-bit chunk
         xd = xb
-    xsum = tl.sum(_x_at(x1, k_lo + c4 * CH + tl.arange(0, CH)[None, None, None, :], K, SILU, ASM), axis=3)
+    xsum = tl.sum(tl.load(x1 + k_lo + c4 * CH + tl.arange(0, CH)[None, None, None, :]).to(tl.float32), axis=3)
     WPR = K // CPW
     GPR = K // GROUP
     woff = k_lo // CPW + c3 * 4

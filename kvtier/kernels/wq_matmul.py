@@ -245,19 +245,6 @@ def wq_linear(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None = None,
     return wq_dequant_matmul(x, w, bias, residual)
 
 
-def wq_linear_silu(gate_up: torch.Tensor, w: QuantWeight, residual: torch.Tensor | None = None) -> torch.Tensor:
-    """silu(gate) * up @ dequant(w)^T (+ residual) for gate_up [M, 2K] = gate | up (a SwiGLU's down
-    projection): decode-sized M through wq_gemv, which applies the activation as it loads x (one
-    launch fewer); else silu_mul, then wq_linear. Same values either way."""
-    k = w.shape[1]
-    if (HAVE_TRITON and gate_up.is_cuda and w.device == gate_up.device and kernel_supports(w)
-            and gate_up.shape[0] <= GEMV_MAX_M and gate_up.dim() == 2 and gate_up.shape[1] == 2 * k
-            and gate_up.stride(-1) == 1 and gemv_supports(gate_up[:, :k], w)):
-        return wq_gemv(gate_up, w, None, residual, GEMV_CONFIG, silu=True)
-    from kvtier.kernels.fused import apply_silu_mul
-    return wq_linear(apply_silu_mul(gate_up), w, None, residual)
-
-
 # ---------------------------------------------------------------- Triton kernels
 
 if HAVE_TRITON:
@@ -665,16 +652,9 @@ def choose_gemv_block_n(m: int, n: int, split: int, rows: int, sms: int) -> int:
 
 
 def wq_gemv(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None = None,
-            residual: torch.Tensor | None = None, cfg: GemvConfig = GEMV_CONFIG, silu: bool = False) -> torch.Tensor:
+            residual: torch.Tensor | None = None, cfg: GemvConfig = GEMV_CONFIG) -> torch.Tensor:
     """Half2 CUDA-core decode (kvtier/kernels/wq_kernels.py); any M works, one x row per program.
-    x [M, K] fp16 / bf16 -> [M, N] in x.dtype. silu: x is [M, 2K] (gate | up, a SwiGLU's
-    gate_up output) and the matmul takes silu(gate) * up, computed as it loads x."""
-    gate_up = x
-    if silu:
-        if x.dim() != 2 or x.shape[1] != 2 * w.shape[1] or x.stride(-1) != 1:
-            raise ValueError(f"wq_gemv: silu takes x [M, {2 * w.shape[1]}] (gate | up) with a contiguous last "
-                             f"dim, got {tuple(x.shape)}")
-        x = x[:, :w.shape[1]]  # the shapes the checks want; the kernel reads up at + K
+    x [M, K] fp16 / bf16 -> [M, N] in x.dtype."""
     y, const = _common(x, w, bias, residual)
     (mrows, n), k = y.shape, w.shape[1]
     if not gemv_supports(x, w):
@@ -688,13 +668,11 @@ def wq_gemv(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None = None,
     block_n = cfg.block_n or choose_gemv_block_n(mrows, n, split, rows, _sm_count(x.device))
     block_n = max(block_n, rows)
     x, mins, b, r, stride_rm = _operands(x, w, y, bias, residual)
-    if silu:
-        x = gate_up
     part = torch.empty((split, mrows, n), dtype=torch.float32, device=x.device) if split > 1 else y
     grid = (mrows, triton.cdiv(n, block_n), split)
     _gemv_kernel[grid](x, w.qweight.view(torch.int32), w.scales, mins, b, r, y, part, mrows, n, k, x.stride(0),
                        stride_rm, BLOCK_N=block_n, ROWS=rows, LANES=lanes, CPT=cpt, PARTIAL=split > 1,
-                       PREFETCH=cfg.prefetch, ASM=not INTERPRETED, SILU=silu, num_warps=cfg.num_warps, **const)
+                       PREFETCH=cfg.prefetch, ASM=not INTERPRETED, num_warps=cfg.num_warps, **const)
     if split > 1:
         _reduce_kernel[(mrows, triton.cdiv(n, REDUCE_BLOCK))](
             part, b, r, y, mrows, n, split, stride_rm, HAS_BIAS=bias is not None, HAS_RES=residual is not None,

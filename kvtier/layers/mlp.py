@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from kvtier.kernels import fused
-from kvtier.layers.qlinear import QuantLinear, Scratch, make_linear
+from kvtier.layers.qlinear import Scratch, make_linear
 from kvtier.layers.qweight import QuantWeight
 
 
@@ -22,7 +22,5 @@ class GatedMLP(torch.nn.Module):
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         """x: [T, H] -> [T, H]; with `residual` [T, H], returns residual + mlp(x) (fused into the GEMM)."""
         gu = self.gate_up(x)  # [T, 2I]
-        if isinstance(self.down, QuantLinear):  # on CUDA the activation runs inside the down matmul
-            return self.down.silu_forward(gu, residual)
         act = fused.apply_silu_mul(gu)  # silu(gate) * up, [T, I]: one kernel on CUDA or CPU
         return self.down(act) if residual is None else self.down.add_to(residual, act)

@@ -33,7 +33,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from kvtier.kernels import cpu_ops, fused
+from kvtier.kernels import cpu_ops
 from kvtier.layers.qweight import INT8_MAX, QuantWeight, pack_int4
 
 # Rows of x up to which CPU matmuls run torch's int4 / int8 weight kernels; above, dequantize +
@@ -653,15 +653,6 @@ class QuantLinear(torch.nn.Module):
     def add_to(self, residual: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """residual [T, N] + x [T, K] @ W^T (+ b)."""
         return self.forward(x, residual)
-
-    def silu_forward(self, gate_up: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-        """(silu(gate) * up) @ W^T (+ residual) for gate_up [T, 2K] = gate | up: on CUDA the
-        activation is applied inside the decode matmul (kernels/wq_matmul.py wq_linear_silu);
-        elsewhere fused.apply_silu_mul, then `forward`."""
-        if self.on_cuda and self.bias is None:
-            from kvtier.kernels.wq_matmul import wq_linear_silu
-            return wq_linear_silu(gate_up, self.weight.qw, residual)
-        return self.forward(fused.apply_silu_mul(gate_up), residual)
 
     def _dense_matmul(self, x: torch.Tensor) -> torch.Tensor:
         """Dequantize CPU_SCRATCH_ELEMS weights at a time into the shared scratch, dense GEMM each."""

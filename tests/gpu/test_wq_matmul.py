@@ -122,19 +122,3 @@ def test_cuda_graph_replay_equals_eager(m: int) -> None:
         torch.cuda.synchronize()
         for got, want in zip(captured, run()):
             assert torch.equal(got, want)
-
-
-@pytest.mark.parametrize("layout", LAYOUTS)
-@pytest.mark.parametrize("m", [1, 2, 4])
-def test_silu_prologue_equals_silu_then_gemv(layout: str, m: int) -> None:
-    """The down projection's decode matmul applying silu(gate) * up as it loads x (one launch fewer)
-    == the silu_mul kernel then the same matmul, bit for bit, at Qwen3-8B's down shape; and
-    wq_linear_silu takes it for decode-sized M."""
-    bits, group, mins = LAYOUTS[layout]
-    n, k = SHAPES["down"]
-    cases.check_silu(wq, wq.GEMV_CONFIG, m, n, k, bits, group, mins, torch.bfloat16, CUDA, residual=m == 1)
-    from kvtier.kernels import fused
-    g = torch.Generator(device=CUDA).manual_seed(m)
-    gu = torch.randn(m, 2 * k, generator=g, device=CUDA).to(torch.bfloat16)
-    w = weight(n, k, bits, group, mins)
-    assert torch.equal(wq.wq_linear_silu(gu, w), wq.wq_linear(fused.silu_mul(gu), w))

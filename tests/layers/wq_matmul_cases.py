@@ -79,21 +79,6 @@ def check(wq: ModuleType, run: Callable, label: str, m: int, n: int, k: int, bit
     assert_close(run(x, w, b, r), wq.wq_linear_reference(x, w, b, r), what)
 
 
-def check_silu(wq: ModuleType, cfg, m: int, n: int, k: int, bits: int, group: int, mins: bool,  # noqa: ANN001
-               dtype: torch.dtype, device: str, residual: bool) -> None:
-    """wq_gemv(gate_up, silu=True) (the activation applied as x is loaded) == the unfused
-    silu_mul kernel, then wq_gemv: bit-equal (the same roundings, the same sums)."""
-    from kvtier.kernels import fused
-    g = gen("silu", m, n, k, bits, group, mins, dtype, residual)
-    w = make_weight(n, k, bits, group, mins, device, g)
-    gu = (torch.randn(m, 2 * k, generator=g) * 2 + 0.1).to(device=device, dtype=dtype)
-    r = (torch.randn(m, n, generator=g) + 0.1).to(device=device, dtype=dtype) if residual else None
-    got = wq.wq_gemv(gu, w, None, r, cfg, silu=True)
-    want = wq.wq_gemv(fused.silu_mul(gu), w, None, r, cfg)
-    assert torch.equal(got, want), \
-        f"silu gemv M={m} bits={bits} differs by {float((got.float() - want.float()).abs().max()):.3g}"
-
-
 def paths(wq: ModuleType, interpreted: bool) -> dict[str, Callable]:
     """Every kernel path under a name: the skinny kernel's switches, split-K, the GEMM and the
     dequantize+matmul path. Interpreted: small tiles so a tiny K still takes two iterations."""
@@ -193,14 +178,6 @@ def main() -> None:
             check(wq, run, name, *args)
         except Exception as e:  # noqa: BLE001 (a kernel that fails to build is a failed case too)
             failures.append(f"{name}{args}: {type(e).__name__}: {e}")
-    g = wq.GemvConfig
-    for cfg, (m, bits, group, mins, dtype, res) in ((g(lanes=2, chunks=2, num_warps=1), (1, 4, 32, True, torch.bfloat16, True)),
-                                                    (g(lanes=2, chunks=1, num_warps=2, block_n=4),
-                                                     (3, 8, 32, False, torch.float16, False))):
-        try:
-            check_silu(wq, cfg, m, N, K, bits, group, mins, dtype, "cpu", res)
-        except Exception as e:  # noqa: BLE001
-            failures.append(f"silu gemv bits={bits}: {type(e).__name__}: {e}")
     y = wq.wq_skinny(torch.empty(0, K), make_weight(N, K, 4, 32, True, "cpu", gen(0)))
     if y.shape != (0, N):
         failures.append(f"M=0: shape {tuple(y.shape)}")
