@@ -115,12 +115,13 @@ if HAVE_TRITON:
         return tl.load(x_ptr + t[:, None] * stride_xt + x_off + kk[None, :], mask=tm, other=0.0).to(tl.float32)
 
     @triton.jit
-    def _transformed(x_ptr, t, tm, stride_xt, x_off, ph, shift_ptr, cs_ptr, rot_ptr, rstd, w_ptr, cos_ptr,
-                     sin_ptr, stride_c, stride_s, D: tl.constexpr, BLOCK_T: tl.constexpr, SMOOTH: tl.constexpr,
-                     ROTATE: tl.constexpr, INV_SQRT_D: tl.constexpr, ROPE: tl.constexpr, HAS_NORM: tl.constexpr,
-                     DTYPE: tl.constexpr):
+    def _transformed(x_ptr, t, tm, stride_xt, x_off, ph, shift_ptr, cs_ptr, rot_ptr, D: tl.constexpr,
+                     BLOCK_T: tl.constexpr, SMOOTH: tl.constexpr, ROTATE: tl.constexpr,
+                     INV_SQRT_D: tl.constexpr, ROPE: tl.constexpr = False, HAS_NORM: tl.constexpr = False,
+                     DTYPE: tl.constexpr = tl.float32, rstd=None, w_ptr=None, cos_ptr=None, sin_ptr=None,
+                     stride_c=0, stride_s=0):
         """Rows t [BLOCK_T] of one head (x_ptr + t * stride_xt + x_off + d; ROPE: after the head's
-        norm and rotary, the arguments rstd .. stride_s of `_rope_cols`) -> smoothed (param row ph)
+        norm and rotary, HAS_NORM .. stride_s as `_rope_cols` takes them) -> smoothed (param row ph)
         and rotated rows [BLOCK_T, D] fp32 (see the module docstring for the two shapes)."""
         if ROTATE:
             CH: tl.constexpr = BK if BK < D else D
@@ -158,8 +159,8 @@ if HAVE_TRITON:
         h = tl.program_id(1)
         t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
         tm = (t < T)[:, None]
-        y = _transformed(x_ptr, t, tm, stride_xt, h * stride_xh, h // G, cs_ptr, cs_ptr, rot_ptr, 1.0, rot_ptr,
-                         rot_ptr, rot_ptr, 0, 0, D, BLOCK_T, SMOOTH, ROTATE, INV_SQRT_D, False, False, tl.float32)
+        y = _transformed(x_ptr, t, tm, stride_xt, h * stride_xh, h // G, cs_ptr, cs_ptr, rot_ptr, D, BLOCK_T,
+                         SMOOTH, ROTATE, INV_SQRT_D)
         d = tl.arange(0, D)[None, :]
         tl.store(out_ptr + t[:, None] * stride_ot + h * stride_oh + d, y.to(out_ptr.dtype.element_ty), mask=tm)
 
@@ -213,13 +214,11 @@ if HAVE_TRITON:
         row = ((slot // S) * H + h) * S + slot % S  # [BLOCK_T]
         if tl.program_id(2) == 0:
             x = _transformed(k_ptr, t, tmask[:, None], stride_kt, h * stride_kh, h, shift_ptr, cs_ptr, rot_ptr,
-                             1.0, rot_ptr, rot_ptr, rot_ptr, 0, 0, D, BLOCK_T, K_SMOOTH, K_ROTATE, INV_SQRT_D,
-                             False, False, tl.float32)
+                             D, BLOCK_T, K_SMOOTH, K_ROTATE, INV_SQRT_D)
             _encode_rows(x, row, tmask, kd_ptr, ks_ptr, D, BLOCK_T, K_MODE, K_GROUP, K_QMAX, BIAS, MIN_S)
         else:
             x = _transformed(v_ptr, t, tmask[:, None], stride_vt, h * stride_vh, h, shift_ptr, cs_ptr, rot_ptr,
-                             1.0, rot_ptr, rot_ptr, rot_ptr, 0, 0, D, BLOCK_T, SMOOTH_NONE, V_ROTATE, INV_SQRT_D,
-                             False, False, tl.float32)
+                             D, BLOCK_T, SMOOTH_NONE, V_ROTATE, INV_SQRT_D)
             _encode_rows(x, row, tmask, vd_ptr, vs_ptr, D, BLOCK_T, V_MODE, V_GROUP, V_QMAX, BIAS, MIN_S)
 
 
@@ -258,16 +257,19 @@ if HAVE_TRITON:
             tl.store(k_ptr + (t[:, None] * HKV + hk) * D + d[None, :], x.to(dtype), mask=tm)
             slot = tl.load(slot_ptr + t, mask=tmask, other=0).to(tl.int64)
             row = ((slot // S) * HKV + hk) * S + slot % S
-            y = _transformed(head, t, tm, stride_x, 0, hk, shift_ptr, cs_ptr, rot_ptr, rstd, kw_ptr, cos_ptr,
-                             sin_ptr, stride_c, stride_s, D, BLOCK_T, K_SMOOTH, K_ROTATE, INV_SQRT_D, True,
-                             HAS_NORM, dtype)
+            if K_ROTATE:  # chunks of the roped row, recomputed (a register row cannot be sliced)
+                y = _transformed(head, t, tm, stride_x, 0, hk, shift_ptr, cs_ptr, rot_ptr, D, BLOCK_T, K_SMOOTH,
+                                 K_ROTATE, INV_SQRT_D, True, HAS_NORM, dtype, rstd, kw_ptr, cos_ptr, sin_ptr,
+                                 stride_c, stride_s)
+            else:
+                y = _smooth(x, d, hk, shift_ptr, cs_ptr, D, K_SMOOTH)
             _encode_rows(y, row, tmask, kd_ptr, ks_ptr, D, BLOCK_T, K_MODE, K_GROUP, K_QMAX, BIAS, MIN_S)
         else:
             hv = h - HQ - HKV
             slot = tl.load(slot_ptr + t, mask=tmask, other=0).to(tl.int64)
             row = ((slot // S) * HKV + hv) * S + slot % S
-            y = _transformed(head, t, tm, stride_x, 0, hv, shift_ptr, cs_ptr, rot_ptr, 1.0, rot_ptr, rot_ptr,
-                             rot_ptr, 0, 0, D, BLOCK_T, SMOOTH_NONE, V_ROTATE, INV_SQRT_D, False, False, dtype)
+            y = _transformed(head, t, tm, stride_x, 0, hv, shift_ptr, cs_ptr, rot_ptr, D, BLOCK_T, SMOOTH_NONE,
+                             V_ROTATE, INV_SQRT_D)
             _encode_rows(y, row, tmask, vd_ptr, vs_ptr, D, BLOCK_T, V_MODE, V_GROUP, V_QMAX, BIAS, MIN_S)
 
 
