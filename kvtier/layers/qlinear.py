@@ -28,6 +28,7 @@ the lm_head's packing, so the table is held once.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import torch
@@ -206,19 +207,25 @@ class VNNIWeight(PackedWeight):
         """sym: every group's min is sym x its scale (symmetric codes: GGUF Q4_0, Q5_0, Q6_K, Q8_0), so
         sm holds the scales alone and the kernel derives the mins."""
         super().__init__()
+        self.shape, self.group, self.bits, self.sym = tuple(shape), group, bits, sym
+        self.per_word = 4 if bits == 8 else 8  # 5- and 6-bit: the low four bits as 4-bit words
+        # 5- / 6-bit: the fifth (and sixth) bits in `hbits`, one int32 per lane, 32 columns and
+        # plane (kernels/csrc/cpu_ops.cpp qv_gemm)
+        self.planes = bits - 4 if bits in (5, 6) else 0
+        for name, (size, dtype) in self._buffer_shapes(shape, group, bits, sym).items():
+            self.register_buffer(name, torch.zeros(size, dtype=dtype) if size is not None else None,
+                                 persistent=False)
+
+    @staticmethod
+    def _buffer_shapes(shape: tuple[int, int], group: int, bits: int,
+                       sym: float | None) -> dict[str, tuple[tuple[int, ...] | None, torch.dtype]]:
+        """name -> (size or None, dtype) of the buffers: codes, hbits (5- / 6-bit only), sm."""
         n, k = shape
         nb = -(-n // Q4V_BLOCK)
-        self.shape, self.group, self.bits, self.sym = (n, k), group, bits, sym
-        self.per_word = 4 if bits == 8 else 8  # 5- and 6-bit: the low four bits as 4-bit words
-        self.register_buffer("codes", torch.zeros(nb, k // self.per_word, Q4V_BLOCK, dtype=torch.int32),
-                             persistent=False)
-        # 5- / 6-bit: the fifth (and sixth) bits, one int32 per lane, 32 columns and plane
-        # (kernels/csrc/cpu_ops.cpp qv_gemm)
-        self.planes = bits - 4 if bits in (5, 6) else 0
-        self.register_buffer("hbits", torch.zeros(nb, k // 32, self.planes, Q4V_BLOCK, dtype=torch.int32)
-                             if self.planes else None, persistent=False)
-        self.register_buffer("sm", torch.zeros(nb, k // group, 1 if sym is not None else 2, Q4V_BLOCK,
-                                               dtype=torch.float16), persistent=False)
+        planes = bits - 4 if bits in (5, 6) else 0
+        return {"codes": ((nb, k // (4 if bits == 8 else 8), Q4V_BLOCK), torch.int32),
+                "hbits": ((nb, k // 32, planes, Q4V_BLOCK) if planes else None, torch.int32),
+                "sm": ((nb, k // group, 1 if sym is not None else 2, Q4V_BLOCK), torch.float16)}
 
     @staticmethod
     def supports(k: int, group: int, bits: int = 4) -> bool:
@@ -309,12 +316,8 @@ class VNNIWeight(PackedWeight):
     @staticmethod
     def nbytes_of(shape: tuple[int, int], group: int, bits: int, sym: float | None) -> int:
         """Bytes the buffers of VNNIWeight(shape, group, bits, sym) take (as `nbytes()` counts them)."""
-        n, k = shape
-        nb = -(-n // Q4V_BLOCK)
-        per_word = 4 if bits == 8 else 8
-        planes = bits - 4 if bits in (5, 6) else 0
-        return (nb * (k // per_word) * Q4V_BLOCK * 4 + nb * (k // 32) * planes * Q4V_BLOCK * 4
-                + nb * (k // group) * (1 if sym is not None else 2) * Q4V_BLOCK * 2)
+        return sum(math.prod(size) * dtype.itemsize
+                   for size, dtype in VNNIWeight._buffer_shapes(shape, group, bits, sym).values() if size is not None)
 
     def _shifts(self) -> torch.Tensor:
         return (32 // self.per_word) * torch.arange(self.per_word, dtype=torch.int64)
