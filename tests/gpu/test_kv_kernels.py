@@ -40,16 +40,14 @@ def test_fused_transform_store_matches_pool_reference_cuda(name: str, dtype: tor
 
 
 @pytest.mark.parametrize("name", FORMAT_NAMES)
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("head_dim", [64, 128])
-@pytest.mark.parametrize("gqa", [1, 4, 8])
+@pytest.mark.parametrize("dtype,gqa", [(torch.bfloat16, 1), (torch.bfloat16, 4), (torch.bfloat16, 8),
+                                       (torch.float32, 4)])  # the GQA ratios in bf16
 def test_rope_store_matches_unfused_cuda(name: str, dtype: torch.dtype, head_dim: int, gqa: int) -> None:
-    """norm + rotary + K / V store in one kernel == the qk_norm_rope kernel (q, k bit-equal), then
-    the pool's reference write; decode rows (one a program) and prefill tiles, with and without
-    the per-head norm."""
+    """norm + rotary + K / V store in one kernel == the qk_norm_rope kernel (q, k up to its rare
+    rounding flips, check_rope_store), then the pool's reference write; decode rows (one a
+    program) and prefill tiles, with and without the per-head norm."""
     import kvtier.kernels.kv_transform as kt
-    if dtype == torch.float32 and gqa != 4:
-        pytest.skip("the GQA ratios run in bf16")
     for rows, norm in ((3, True), (333, True), (1, False), (40, False)):
         kernel_cases.check_rope_store(kt, name, heads=8, page_size=16, head_dim=head_dim, num_pages=64,
                                       n_rows=rows, device="cuda", dtype=dtype, gqa=gqa, norm=norm)
