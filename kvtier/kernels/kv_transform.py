@@ -10,16 +10,11 @@ with R. Done op by op that is ~7 small kernels a layer; here it is:
     transform_rows    q -> R (channel_scale * q) (native_q), or o -> R o (native_out)
 
 Two shapes of program, chosen by the row count (shapes only, so CUDA graphs capture one):
+T <= ROW_MAX_T (decode) one row per program, else TILE_T rows. Either way the rotation is the
+fast Walsh-Hadamard transform in registers (kernels/hadamard.py: R = H / sqrt(D), Sylvester's
+signs, no matrix read), then times 1 / sqrt(D).
 
-    T <= ROW_MAX_T (decode)  one row per program, R times the row as a multiply-sum over
-                             R loaded from global memory (fp32, L2-resident): a short
-                             dependency chain; a dot would pad the row to 16.
-    T > ROW_MAX_T (prefill)  TILE_T rows per program, the rotation on tensor cores: R's signs
-                             (+-1, the parity of popcount(i & j): Sylvester's Hadamard) built
-                             in registers BK rows at a time, tf32x3 dots (about fp32
-                             accuracy), then times 1 / sqrt(D).
-
-Both follow the reference's math (fp32, IEEE division for the smoothing and the codes'
+The kernels follow the reference's math (fp32, IEEE division for the smoothing and the codes'
 scales, formats.round_half_up) up to the rotation's last-bit rounding, so a value on a
 rounding edge may take the neighbouring code (tests/kv/kernel_cases.py check_fused_store).
 """
@@ -37,6 +32,7 @@ try:
     import triton.language as tl
 
     from kvtier.kernels.fused import round_as
+    from kvtier.kernels.hadamard import fwht
     HAVE_TRITON = True
 except ImportError:  # CPU-only installs: the pool's reference path is used
     HAVE_TRITON = False
@@ -45,18 +41,14 @@ except ImportError:  # CPU-only installs: the pool's reference path is used
 ROW_MAX_T = 16
 # Rows per program of the tiled kernels: tl.dot needs >= 16.
 TILE_T = 16
-# Warps of a one-row program: its [32, D] slices of R spread over 256 threads (sm_90 offline:
-# 720 SASS instructions for native_q at D = 128 against 1,168 with 4 warps; the tiled
-# kernels' 4 warps hold a 16-row mma tile).
-ROW_WARPS = 8
+# Warps of a one-row program and of a TILE_T-row one.
+ROW_WARPS = 4
 TILE_WARPS = 4
 # Codec modes (tl.constexpr values in the kernels).
 _MODE = {PlainCodec: 0, Int8Codec: 1, Fp8Codec: 2, Int4Codec: 3}
 _QMAX = {PlainCodec: 1.0, Int8Codec: float(INT8_MAX), Fp8Codec: FP8_E4M3_MAX, Int4Codec: float(INT4_MAX)}
 
 if HAVE_TRITON:
-    # Columns of x (rows of R) per step of the rotation: bounds registers at any head_dim.
-    BK = tl.constexpr(32)
     SMOOTH_NONE = tl.constexpr(0)
     SMOOTH_K = tl.constexpr(1)  # (x - shift[h]) / channel_scale[h]: K as the pool stores it
     SMOOTH_Q = tl.constexpr(2)  # x * channel_scale[h // G]: q in the stored K domain
@@ -106,61 +98,32 @@ if HAVE_TRITON:
         return round_as(tl.fma(p, s, round_as(x * c, DTYPE)), DTYPE)
 
     @triton.jit
-    def _load_cols(x_ptr, t, tm, stride_xt, x_off, kk, rstd, w_ptr, cos_ptr, sin_ptr, stride_c, stride_s,
-                   D: tl.constexpr, ROPE: tl.constexpr, HAS_NORM: tl.constexpr, DTYPE: tl.constexpr):
-        """Columns kk of rows t [BLOCK_T] of one head, fp32: as stored, or (ROPE) after _rope_cols."""
-        if ROPE:
-            return _rope_cols(x_ptr + x_off, t, tm, stride_xt, kk, rstd, w_ptr, cos_ptr, sin_ptr, stride_c,
-                              stride_s, D, HAS_NORM, DTYPE)
-        return tl.load(x_ptr + t[:, None] * stride_xt + x_off + kk[None, :], mask=tm, other=0.0).to(tl.float32)
+    def _rotated(x, BLOCK_T: tl.constexpr, D: tl.constexpr, ROTATE: tl.constexpr, INV_SQRT_D: tl.constexpr):
+        """Rows x [BLOCK_T, D] fp32 -> x R (ROTATE; R = H / sqrt(D)) or x."""
+        if ROTATE:
+            return fwht(x, BLOCK_T, D) * INV_SQRT_D
+        return x
 
     @triton.jit
-    def _transformed(x_ptr, t, tm, stride_xt, x_off, ph, shift_ptr, cs_ptr, rot_ptr, D: tl.constexpr,
+    def _transformed(x_ptr, t, tm, stride_xt, x_off, ph, shift_ptr, cs_ptr, D: tl.constexpr,
                      BLOCK_T: tl.constexpr, SMOOTH: tl.constexpr, ROTATE: tl.constexpr,
-                     INV_SQRT_D: tl.constexpr, ROPE: tl.constexpr = False, HAS_NORM: tl.constexpr = False,
-                     DTYPE: tl.constexpr = tl.float32, rstd=None, w_ptr=None, cos_ptr=None, sin_ptr=None,
-                     stride_c=0, stride_s=0):
-        """Rows t [BLOCK_T] of one head (x_ptr + t * stride_xt + x_off + d; ROPE: after the head's
-        norm and rotary, HAS_NORM .. stride_s as `_rope_cols` takes them) -> smoothed (param row ph)
-        and rotated rows [BLOCK_T, D] fp32 (see the module docstring for the two shapes)."""
-        if ROTATE:
-            CH: tl.constexpr = BK if BK < D else D
-            acc = tl.zeros([BLOCK_T, D], tl.float32)
-            j = tl.arange(0, D)
-            for k0 in tl.static_range(0, D, CH):
-                kk = k0 + tl.arange(0, CH)
-                x = _load_cols(x_ptr, t, tm, stride_xt, x_off, kk, rstd, w_ptr, cos_ptr, sin_ptr, stride_c,
-                               stride_s, D, ROPE, HAS_NORM, DTYPE)
-                x = _smooth(x, kk, ph, shift_ptr, cs_ptr, D, SMOOTH)
-                if BLOCK_T == 1:  # one row: x @ R[kk] as a multiply-sum over R's rows from L2
-                    r = tl.load(rot_ptr + kk[:, None] * D + j[None, :])  # [CH, D] fp32
-                    acc += tl.sum(x[:, :, None] * r[None, :, :], axis=1)
-                else:  # tensor cores over R's exact signs, scaled once at the end
-                    v = kk[:, None] & j[None, :]
-                    v = v ^ (v >> 8)
-                    v = v ^ (v >> 4)
-                    v = v ^ (v >> 2)
-                    v = v ^ (v >> 1)
-                    sign = 1.0 - 2.0 * (v & 1).to(tl.float32)  # [CH, D]
-                    acc += tl.dot(x, sign, input_precision="tf32x3")
-            if BLOCK_T == 1:
-                return acc
-            return acc * INV_SQRT_D
+                     INV_SQRT_D: tl.constexpr):
+        """Rows t [BLOCK_T] of one head (x_ptr + t * stride_xt + x_off + d) -> smoothed (param
+        row ph) and rotated rows [BLOCK_T, D] fp32."""
         d = tl.arange(0, D)
-        x = _load_cols(x_ptr, t, tm, stride_xt, x_off, d, rstd, w_ptr, cos_ptr, sin_ptr, stride_c, stride_s, D,
-                       ROPE, HAS_NORM, DTYPE)
-        return _smooth(x, d, ph, shift_ptr, cs_ptr, D, SMOOTH)
+        x = tl.load(x_ptr + t[:, None] * stride_xt + x_off + d[None, :], mask=tm, other=0.0).to(tl.float32)
+        return _rotated(_smooth(x, d, ph, shift_ptr, cs_ptr, D, SMOOTH), BLOCK_T, D, ROTATE, INV_SQRT_D)
 
     @triton.jit(do_not_specialize=["T", "H", "G"])
-    def _transform_rows_kernel(x_ptr, out_ptr, cs_ptr, rot_ptr, stride_xt, stride_xh, stride_ot, stride_oh,
+    def _transform_rows_kernel(x_ptr, out_ptr, cs_ptr, stride_xt, stride_xh, stride_ot, stride_oh,
                                T, H, G, D: tl.constexpr, BLOCK_T: tl.constexpr, SMOOTH: tl.constexpr,
                                ROTATE: tl.constexpr, INV_SQRT_D: tl.constexpr):
         """BLOCK_T rows of head h: out = R (x * channel_scale[h // G]) (or R x), in out's dtype."""
         h = tl.program_id(1)
         t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
         tm = (t < T)[:, None]
-        y = _transformed(x_ptr, t, tm, stride_xt, h * stride_xh, h // G, cs_ptr, cs_ptr, rot_ptr, D, BLOCK_T,
-                         SMOOTH, ROTATE, INV_SQRT_D)
+        y = _transformed(x_ptr, t, tm, stride_xt, h * stride_xh, h // G, cs_ptr, cs_ptr, D, BLOCK_T, SMOOTH,
+                         ROTATE, INV_SQRT_D)
         d = tl.arange(0, D)[None, :]
         tl.store(out_ptr + t[:, None] * stride_ot + h * stride_oh + d, y.to(out_ptr.dtype.element_ty), mask=tm)
 
@@ -200,7 +163,7 @@ if HAVE_TRITON:
 
     @triton.jit(do_not_specialize=["T", "H"])
     def _transform_store_kernel(k_ptr, v_ptr, slot_ptr, kd_ptr, ks_ptr, vd_ptr, vs_ptr, shift_ptr, cs_ptr,
-                                rot_ptr, stride_kt, stride_kh, stride_vt, stride_vh, T, H, S,
+                                stride_kt, stride_kh, stride_vt, stride_vh, T, H, S,
                                 D: tl.constexpr, BLOCK_T: tl.constexpr, INV_SQRT_D: tl.constexpr,
                                 K_MODE: tl.constexpr, K_GROUP: tl.constexpr, K_QMAX: tl.constexpr,
                                 K_SMOOTH: tl.constexpr, K_ROTATE: tl.constexpr, V_MODE: tl.constexpr,
@@ -213,18 +176,18 @@ if HAVE_TRITON:
         slot = tl.load(slot_ptr + t, mask=tmask, other=0).to(tl.int64)
         row = ((slot // S) * H + h) * S + slot % S  # [BLOCK_T]
         if tl.program_id(2) == 0:
-            x = _transformed(k_ptr, t, tmask[:, None], stride_kt, h * stride_kh, h, shift_ptr, cs_ptr, rot_ptr,
-                             D, BLOCK_T, K_SMOOTH, K_ROTATE, INV_SQRT_D)
+            x = _transformed(k_ptr, t, tmask[:, None], stride_kt, h * stride_kh, h, shift_ptr, cs_ptr, D, BLOCK_T,
+                             K_SMOOTH, K_ROTATE, INV_SQRT_D)
             _encode_rows(x, row, tmask, kd_ptr, ks_ptr, D, BLOCK_T, K_MODE, K_GROUP, K_QMAX, BIAS, MIN_S)
         else:
-            x = _transformed(v_ptr, t, tmask[:, None], stride_vt, h * stride_vh, h, shift_ptr, cs_ptr, rot_ptr,
-                             D, BLOCK_T, SMOOTH_NONE, V_ROTATE, INV_SQRT_D)
+            x = _transformed(v_ptr, t, tmask[:, None], stride_vt, h * stride_vh, h, shift_ptr, cs_ptr, D, BLOCK_T,
+                             SMOOTH_NONE, V_ROTATE, INV_SQRT_D)
             _encode_rows(x, row, tmask, vd_ptr, vs_ptr, D, BLOCK_T, V_MODE, V_GROUP, V_QMAX, BIAS, MIN_S)
 
 
     @triton.jit(do_not_specialize=["T"])
     def _rope_store_kernel(qkv_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr, q_ptr, k_ptr, slot_ptr, kd_ptr, ks_ptr,
-                           vd_ptr, vs_ptr, shift_ptr, cs_ptr, rot_ptr, stride_x, stride_c, stride_s, eps, inv_d,
+                           vd_ptr, vs_ptr, shift_ptr, cs_ptr, stride_x, stride_c, stride_s, eps, inv_d,
                            T, S, HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, BLOCK_T: tl.constexpr,
                            INV_SQRT_D: tl.constexpr, HAS_NORM: tl.constexpr, K_MODE: tl.constexpr,
                            K_GROUP: tl.constexpr, K_QMAX: tl.constexpr, K_SMOOTH: tl.constexpr,
@@ -257,19 +220,14 @@ if HAVE_TRITON:
             tl.store(k_ptr + (t[:, None] * HKV + hk) * D + d[None, :], x.to(dtype), mask=tm)
             slot = tl.load(slot_ptr + t, mask=tmask, other=0).to(tl.int64)
             row = ((slot // S) * HKV + hk) * S + slot % S
-            if K_ROTATE:  # chunks of the roped row, recomputed (a register row cannot be sliced)
-                y = _transformed(head, t, tm, stride_x, 0, hk, shift_ptr, cs_ptr, rot_ptr, D, BLOCK_T, K_SMOOTH,
-                                 K_ROTATE, INV_SQRT_D, True, HAS_NORM, dtype, rstd, kw_ptr, cos_ptr, sin_ptr,
-                                 stride_c, stride_s)
-            else:
-                y = _smooth(x, d, hk, shift_ptr, cs_ptr, D, K_SMOOTH)
+            y = _rotated(_smooth(x, d, hk, shift_ptr, cs_ptr, D, K_SMOOTH), BLOCK_T, D, K_ROTATE, INV_SQRT_D)
             _encode_rows(y, row, tmask, kd_ptr, ks_ptr, D, BLOCK_T, K_MODE, K_GROUP, K_QMAX, BIAS, MIN_S)
         else:
             hv = h - HQ - HKV
             slot = tl.load(slot_ptr + t, mask=tmask, other=0).to(tl.int64)
             row = ((slot // S) * HKV + hv) * S + slot % S
-            y = _transformed(head, t, tm, stride_x, 0, hv, shift_ptr, cs_ptr, rot_ptr, D, BLOCK_T, SMOOTH_NONE,
-                             V_ROTATE, INV_SQRT_D)
+            y = _transformed(head, t, tm, stride_x, 0, hv, shift_ptr, cs_ptr, D, BLOCK_T, SMOOTH_NONE, V_ROTATE,
+                             INV_SQRT_D)
             _encode_rows(y, row, tmask, vd_ptr, vs_ptr, D, BLOCK_T, V_MODE, V_GROUP, V_QMAX, BIAS, MIN_S)
 
 
@@ -280,23 +238,22 @@ def transform_supported(x: torch.Tensor) -> bool:
 
 def head_dim_supported(d: int) -> bool:
     """Triton and a power-of-two head dim >= 16 (where formats.hadamard is one Sylvester block,
-    whose signs the tiled kernels build)."""
+    which kernels/hadamard.py's transform applies)."""
     return HAVE_TRITON and d >= 16 and d & (d - 1) == 0
 
 
-def _shape_args(t: int, d: int, device: torch.device, fmt: KVFormat) -> tuple[tuple[int, int], dict, torch.Tensor]:
-    """(row blocks, constexprs, R) for t rows: one row a program up to ROW_MAX_T, else tiles."""
+def _shape_args(t: int, d: int) -> tuple[int, dict]:
+    """(row blocks, constexprs) for t rows: one row a program up to ROW_MAX_T, else tiles."""
     block = 1 if t <= ROW_MAX_T else TILE_T
-    inv = inv_sqrt_f32(d)
-    warps = ROW_WARPS if block == 1 else TILE_WARPS
-    return (triton.cdiv(t, block), block), dict(D=d, BLOCK_T=block, INV_SQRT_D=inv, num_warps=warps), \
-        fmt.rotation(d, device)
+    return triton.cdiv(t, block), dict(D=d, BLOCK_T=block, INV_SQRT_D=inv_sqrt_f32(d),
+                                       num_warps=ROW_WARPS if block == 1 else TILE_WARPS)
 
 
-def transform_rows(fmt: KVFormat, x: torch.Tensor, rotate: bool, channel_scale: torch.Tensor | None = None,
+def transform_rows(x: torch.Tensor, rotate: bool, channel_scale: torch.Tensor | None = None,
                    out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """x [T, H, D] -> R (x * channel_scale[h // G]) (PagePool.native_q) or R x (native_out) in
-    one launch. channel_scale: [Hkv, D] with H = G * Hkv, or None; R: fmt.rotation(D)."""
+    one launch. channel_scale: [Hkv, D] with H = G * Hkv, or None; R: formats.hadamard(D), applied
+    as kernels/hadamard.py's transform."""
     t, h, d = x.shape
     out = torch.empty((t, h, d), dtype=out_dtype or x.dtype, device=x.device)
     if t == 0:
@@ -304,8 +261,8 @@ def transform_rows(fmt: KVFormat, x: torch.Tensor, rotate: bool, channel_scale: 
     if x.stride(-1) != 1:
         x = x.contiguous()
     g = h // channel_scale.shape[0] if channel_scale is not None else 1
-    (blocks, _), args, rot = _shape_args(t, d, x.device, fmt)
-    _transform_rows_kernel[(blocks, h)](x, out, channel_scale if channel_scale is not None else rot, rot,
+    blocks, args = _shape_args(t, d)
+    _transform_rows_kernel[(blocks, h)](x, out, channel_scale if channel_scale is not None else x,
                                         x.stride(0), x.stride(1), out.stride(0), out.stride(1), t, h, g,
                                         SMOOTH=SMOOTH_Q if channel_scale is not None else SMOOTH_NONE,
                                         ROTATE=rotate, **args)
@@ -329,10 +286,10 @@ def transform_store(fmt: KVFormat, st: dict[str, torch.Tensor], slots: torch.Ten
         return
     k = k if k.stride(-1) == 1 else k.contiguous()
     v = v if v.stride(-1) == 1 else v.contiguous()
-    (blocks, _), args, rot = _shape_args(t, d, k.device, fmt)
-    shift, cs = smooth if smooth is not None else (rot, rot)
+    blocks, args = _shape_args(t, d)
+    shift, cs = smooth if smooth is not None else (k, k)  # unread without smoothing
     _transform_store_kernel[(blocks, h, 2)](
-        k, v, slots, st["k"], st.get("k_scale", st["k"]), st["v"], st.get("v_scale", st["v"]), shift, cs, rot,
+        k, v, slots, st["k"], st.get("k_scale", st["k"]), st["v"], st.get("v_scale", st["v"]), shift, cs,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1), t, h, st["k"].shape[2],
         K_SMOOTH=SMOOTH_K if smooth is not None else SMOOTH_NONE, K_ROTATE=fmt.rotate_k, V_ROTATE=fmt.rotate_v,
         BIAS=float(INT4_BIAS), MIN_S=MIN_SCALE, **_codec_args("K", fmt.k_codec, d),
@@ -353,14 +310,14 @@ def rope_store(fmt: KVFormat, st: dict[str, torch.Tensor], slots: torch.Tensor, 
     v = qkv[:, (hq + hkv) * d:].view(t, hkv, d)
     if t == 0:
         return q, k, v
-    (blocks, _), args, rot = _shape_args(t, d, qkv.device, fmt)
-    shift, cs = smooth if smooth is not None else (rot, rot)
+    blocks, args = _shape_args(t, d)
+    shift, cs = smooth if smooth is not None else (qkv, qkv)  # unread without smoothing
     has_norm = rope.q_weight is not None
     qw = rope.q_weight.contiguous() if has_norm else q  # unread without the norm
     kw = rope.k_weight.contiguous() if has_norm else k
     _rope_store_kernel[(blocks, hq + 2 * hkv)](
         qkv, rope.cos, rope.sin_signed, qw, kw, q, k, slots, st["k"], st.get("k_scale", st["k"]), st["v"],
-        st.get("v_scale", st["v"]), shift, cs, rot, qkv.stride(0), rope.cos.stride(0), rope.sin_signed.stride(0),
+        st.get("v_scale", st["v"]), shift, cs, qkv.stride(0), rope.cos.stride(0), rope.sin_signed.stride(0),
         rope.eps, 1.0 / d, t, st["k"].shape[2], HQ=hq, HKV=hkv, HAS_NORM=has_norm,
         K_SMOOTH=SMOOTH_K if smooth is not None else SMOOTH_NONE, K_ROTATE=fmt.rotate_k, V_ROTATE=fmt.rotate_v,
         BIAS=float(INT4_BIAS), MIN_S=MIN_SCALE, **_codec_args("K", fmt.k_codec, d),

@@ -4,9 +4,11 @@ One query row per sequence (the newest token) attends over the sequence's
 pages straight from a PagePool layer's storage: plain bf16/fp16/fp32 pages,
 or int8 / fp8 / int4 codes with their fp16 scales, decoded in registers with
 the math of kvtier/kernels/kv_quant.py (value = code * scale; int4 nibbles
-biased by 8, one scale per group). Nothing is rotated or smoothed here: q comes
-in the stored domain (PagePool.native_q) and the output goes back out through
-PagePool.native_out, as DensePagedAttention does with native reads.
+biased by 8, one scale per group). The pages hold the stored (rotated, smoothed)
+domain: q comes in it (PagePool.native_q) and the output goes back out through
+PagePool.native_out, as DensePagedAttention does with native reads; or, with a
+`NativeDomain`, the split kernel moves raw q into it and the merge moves the output
+back (the rotation: kernels/hadamard.py's transform in registers).
 
 Work split (grid = (B, Hkv, num_splits); one program per (sequence, kv head, split)):
 
@@ -53,6 +55,8 @@ from kvtier.kv.formats import (INT4_BIAS, Codec, Fp8Codec, Int4Codec, Int8Codec,
 try:
     import triton
     import triton.language as tl
+
+    from kvtier.kernels.hadamard import fwht
     HAVE_TRITON = True
 except ImportError:  # CPU-only installs: only the reference and the heuristic are usable
     HAVE_TRITON = False
@@ -105,8 +109,6 @@ if HAVE_TRITON:
     MODE_INT8 = tl.constexpr(1)  # int8 code * per-row fp16 scale
     MODE_FP8 = tl.constexpr(2)  # e4m3 byte * per-row fp16 scale
     MODE_INT4 = tl.constexpr(3)  # (nibble - 8) * per-group fp16 scale, two codes a byte
-    # Rows of R per step of the folded q / output rotations (bounds registers at any head_dim).
-    NATIVE_CHUNK = tl.constexpr(32)
     # int8 codes -> fp16 four at a time (_tile): flip each byte's sign bit, put bytes 0/2 (1/3)
     # under an fp16 exponent of 1024 in the two halves of a word, subtract 1024 + 128.
     SIGN_BITS = tl.constexpr(-0x7F7F7F80)  # 0x80808080 as an int32
@@ -203,29 +205,16 @@ if HAVE_TRITON:
         return low, high
 
     @triton.jit
-    def _native_q(q_rows, qm, cs_ptr, sign_ptr, dtype: tl.constexpr, D: tl.constexpr, G_PAD: tl.constexpr,
+    def _native_q(q_rows, qm, cs_ptr, dtype: tl.constexpr, D: tl.constexpr, G_PAD: tl.constexpr,
                   SMOOTH: tl.constexpr, ROTATE: tl.constexpr, INV_SQRT_D: tl.constexpr):
         """R (channel_scale * q) of the G query rows at q_rows, rounded to q's dtype as
-        PagePool.native_q rounds it. R = signs / sqrt(D): the exact +-1 signs of
-        formats.hadamard (sign_ptr, [D, D] in fp16 for 16-bit q, else fp32) on tensor cores,
-        NATIVE_CHUNK rows of them at a time, fp32 sums (tf32x3 for fp32 q)."""
-        if ROTATE:
-            acc = tl.zeros([G_PAD, D], tl.float32)
-            j = tl.arange(0, D)
-            CH: tl.constexpr = NATIVE_CHUNK if NATIVE_CHUNK < D else D
-            for k0 in tl.static_range(0, D, CH):
-                kk = k0 + tl.arange(0, CH)
-                x = tl.load(q_rows + kk[None, :], mask=qm, other=0.0).to(tl.float32)  # [G_PAD, CH]
-                if SMOOTH:
-                    x = x * tl.load(cs_ptr + kk).to(tl.float32)[None, :]
-                sgn = tl.load(sign_ptr + kk[:, None] * D + j[None, :])  # [CH, D]
-                if dtype == tl.float32:
-                    acc += tl.dot(x, sgn, input_precision="tf32x3")
-                else:
-                    acc += tl.dot(x.to(tl.float16), sgn)
-            return (acc * INV_SQRT_D).to(dtype)
+        PagePool.native_q rounds it (R: kernels/hadamard.py's transform in registers, fp32)."""
         x = tl.load(q_rows + tl.arange(0, D)[None, :], mask=qm, other=0.0).to(tl.float32)
-        return (x * tl.load(cs_ptr + tl.arange(0, D)).to(tl.float32)[None, :]).to(dtype)
+        if SMOOTH:
+            x = x * tl.load(cs_ptr + tl.arange(0, D)).to(tl.float32)[None, :]
+        if ROTATE:
+            x = fwht(x, G_PAD, D) * INV_SQRT_D
+        return x.to(dtype)
 
     @triton.jit
     def _sink_start(q, sk_ptr, sv_ptr, srow, use, qk_scale, m_i, l_i, acc, D: tl.constexpr):
@@ -294,7 +283,7 @@ if HAVE_TRITON:
     # Runtime ints that may be 1 or multiples of 16: not specialised on value (one compile serves all).
     @triton.jit(do_not_specialize=["Hkv", "G", "num_splits", "stride_bt", "n_sel", *ALT_ARGS])
     def _split_kernel(q_ptr, k_ptr, ks_ptr, v_ptr, vs_ptr, bt_ptr, lens_ptr, idx_ptr, ok_ptr, sk_ptr, sv_ptr,
-                      slot_ptr, o_ptr, lse_ptr, cs_ptr, sign_ptr, qk_scale, stride_qb, stride_qh, stride_bt,
+                      slot_ptr, o_ptr, lse_ptr, cs_ptr, qk_scale, stride_qb, stride_qh, stride_bt,
                       stride_ob, stride_oh, stride_os, Hkv, G, num_splits, n_sel,
                       ad_k, ad_ks, ad_v, ad_vs, ad_sk, ad_sv, ad_slot,
                       S: tl.constexpr, D: tl.constexpr, G_PAD: tl.constexpr, PAGES: tl.constexpr,
@@ -334,8 +323,8 @@ if HAVE_TRITON:
         q_rows = q_ptr + b * stride_qb + heads[:, None] * stride_qh
         q = tl.load(q_rows + d[None, :], mask=(g < G)[:, None], other=0.0)  # [G_PAD, D]
         if Q_SMOOTH or Q_ROTATE:  # raw q -> the pool's stored domain (PagePool.native_q), in place
-            q = _native_q(q_rows, (g < G)[:, None], cs_ptr + h * D, sign_ptr, q.dtype, D, G_PAD, Q_SMOOTH,
-                          Q_ROTATE, INV_SQRT_D)
+            q = _native_q(q_rows, (g < G)[:, None], cs_ptr + h * D, q.dtype, D, G_PAD, Q_SMOOTH, Q_ROTATE,
+                          INV_SQRT_D)
         half: tl.constexpr = q.dtype != tl.float32  # 16-bit q: code tiles are dotted in fp16
         m_i = tl.full([G_PAD], float("-inf"), tl.float32)  # running max of the scores (log2 units)
         l_i = tl.zeros([G_PAD], tl.float32)  # running sum of exp2(score - m_i)
@@ -409,10 +398,10 @@ if HAVE_TRITON:
             tl.store(lse_ptr + (b * Hkv * G + heads) * num_splits + sp, lse, mask=hm)
 
     @triton.jit(do_not_specialize=["Hq", "num_splits"])
-    def _merge_kernel(part_ptr, lse_ptr, out_ptr, rot_ptr, stride_ob, stride_oh, Hq, num_splits,
-                      D: tl.constexpr, CHUNK: tl.constexpr, ROTATE: tl.constexpr = False):
+    def _merge_kernel(part_ptr, lse_ptr, out_ptr, stride_ob, stride_oh, Hq, num_splits, D: tl.constexpr,
+                      CHUNK: tl.constexpr, ROTATE: tl.constexpr = False, INV_SQRT_D: tl.constexpr = 1.0):
         """One (sequence, query head): out = sum_s exp2(lse_s - lse) * part_s (all -inf: zeros);
-        ROTATE: times R (rot_ptr, [D, D] fp32: PagePool.native_out), NATIVE_CHUNK dims at a time."""
+        ROTATE: times R (PagePool.native_out; kernels/hadamard.py's transform, 1 / sqrt(D) = INV_SQRT_D)."""
         b = tl.program_id(0)
         hq = tl.program_id(1)
         base = (b * Hq + hq) * num_splits
@@ -423,37 +412,18 @@ if HAVE_TRITON:
             m = tl.maximum(m, tl.load(lse_ptr + base + s0 + c, mask=s0 + c < num_splits, other=float("-inf")))
         m_max = tl.max(m, axis=0)
         m_use = tl.where(m_max == float("-inf"), 0.0, m_max)
+        acc = tl.zeros([D], tl.float32)
+        tot = tl.zeros([CHUNK], tl.float32)
+        for s0 in range(0, num_splits, CHUNK):
+            mk = s0 + c < num_splits
+            w = tl.exp2(tl.load(lse_ptr + base + s0 + c, mask=mk, other=float("-inf")) - m_use)  # [CHUNK]
+            part = tl.load(part_ptr + (base + s0 + c)[:, None] * D + d[None, :], mask=mk[:, None], other=0.0)
+            acc += tl.sum(w[:, None] * part, axis=0)
+            tot += w
+        total = tl.sum(tot, axis=0)
+        o = acc / tl.where(total == 0.0, 1.0, total)
         if ROTATE:
-            tot = tl.zeros([CHUNK], tl.float32)
-            for s0 in range(0, num_splits, CHUNK):
-                mk = s0 + c < num_splits
-                tot += tl.exp2(tl.load(lse_ptr + base + s0 + c, mask=mk, other=float("-inf")) - m_use)
-            total = tl.sum(tot, axis=0)
-            CH: tl.constexpr = NATIVE_CHUNK if NATIVE_CHUNK < D else D
-            o = tl.zeros([D], tl.float32)
-            for k0 in tl.static_range(0, D, CH):
-                kk = k0 + tl.arange(0, CH)
-                acc = tl.zeros([CH], tl.float32)
-                for s0 in range(0, num_splits, CHUNK):
-                    mk = s0 + c < num_splits
-                    w = tl.exp2(tl.load(lse_ptr + base + s0 + c, mask=mk, other=float("-inf")) - m_use)
-                    part = tl.load(part_ptr + (base + s0 + c)[:, None] * D + kk[None, :], mask=mk[:, None],
-                                   other=0.0)
-                    acc += tl.sum(w[:, None] * part, axis=0)
-                r = tl.load(rot_ptr + kk[:, None] * D + d[None, :])  # [CH, D]
-                o += tl.sum(acc[:, None] * r, axis=0)
-            o = o / tl.where(total == 0.0, 1.0, total)
-        else:
-            acc = tl.zeros([D], tl.float32)
-            tot = tl.zeros([CHUNK], tl.float32)
-            for s0 in range(0, num_splits, CHUNK):
-                mk = s0 + c < num_splits
-                w = tl.exp2(tl.load(lse_ptr + base + s0 + c, mask=mk, other=float("-inf")) - m_use)  # [CHUNK]
-                part = tl.load(part_ptr + (base + s0 + c)[:, None] * D + d[None, :], mask=mk[:, None], other=0.0)
-                acc += tl.sum(w[:, None] * part, axis=0)
-                tot += w
-            total = tl.sum(tot, axis=0)
-            o = acc / tl.where(total == 0.0, 1.0, total)
+            o = tl.reshape(fwht(tl.reshape(o, [1, D]), 1, D), [D]) * INV_SQRT_D
         tl.store(out_ptr + b * stride_ob + hq * stride_oh + d, o.to(out_ptr.dtype.element_ty))
 
     def _mode(codec: Codec) -> tl.constexpr:
@@ -696,21 +666,18 @@ def launch_decode(q: torch.Tensor, st: dict[str, torch.Tensor], fmt: KVFormat, t
         lse = torch.empty((bsz, hq, num_splits), dtype=torch.float32, device=q.device)
         strides = (dst.stride(0), dst.stride(1), dst.stride(2))
     sk, sv, slot = sink if sink is not None else (q, q, table)  # unused placeholders
-    cs, signs, rot = q, q, q  # placeholders when nothing is folded
+    cs = q  # placeholder when nothing is folded
     if native is not None:
         if not fold_native_supported(d):
             raise ValueError(f"paged_decode: cannot fold the stored domain at head_dim {d}")
         cs = native.channel_scale if native.channel_scale is not None else q
-        sign_dtype = torch.float32 if q.dtype == torch.float32 else torch.float16
-        signs = fmt.rotation_signs(d, q.device, sign_dtype)
-        rot = fmt.rotation(d, q.device)
     idx, ok, n_sel = table, table, 0  # placeholders for whole sequences
     if lists is not None:
         idx, n_sel = lists.page_idx, table.shape[-1]
         ok = lists.valid if lists.valid is not None else table
     _split_kernel[(bsz, hkv, num_splits)](
         q, st["k"], st.get("k_scale", st["k"]), st["v"], st.get("v_scale", st["v"]), table, lens, idx, ok,
-        sk.contiguous(), sv.contiguous(), slot, dst, lse, cs, signs, scale * LOG2E,
+        sk.contiguous(), sv.contiguous(), slot, dst, lse, cs, scale * LOG2E,
         q.stride(0), q.stride(1), table.stride(0), *strides, hkv, hq // hkv, num_splits, n_sel,
         **alt_offsets(st, sink, alt),
         **split_constants(fmt, d, s, hq // hkv, q.dtype, sink is not None, single, num_splits, native,
@@ -719,11 +686,12 @@ def launch_decode(q: torch.Tensor, st: dict[str, torch.Tensor], fmt: KVFormat, t
         num_warps=NUM_WARPS, num_stages=NUM_STAGES)
     rotate_out = native is not None and native.rotate_out
     if not single:
-        _merge_kernel[(bsz, hq)](dst, lse, out, rot, out.stride(0), out.stride(1), hq, num_splits, D=d,
-                                 CHUNK=MERGE_CHUNK, ROTATE=rotate_out, num_warps=NUM_WARPS)
+        _merge_kernel[(bsz, hq)](dst, lse, out, out.stride(0), out.stride(1), hq, num_splits, D=d,
+                                 CHUNK=MERGE_CHUNK, ROTATE=rotate_out, INV_SQRT_D=inv_sqrt_f32(d),
+                                 num_warps=NUM_WARPS)
     elif rotate_out:  # one split wrote the output itself: rotate it in one more launch
         from kvtier.kernels.kv_transform import transform_rows
-        out.copy_(transform_rows(fmt, out, True))
+        out.copy_(transform_rows(out, True))
     return out
 
 

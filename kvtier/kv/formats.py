@@ -174,8 +174,8 @@ class Int4Codec(Codec):
 
 @functools.lru_cache(maxsize=None)
 def inv_sqrt_f32(d: int) -> float:
-    """1 / sqrt(d) rounded to fp32, as a Python float: the scale kernels apply after summing
-    +-1 Hadamard signs (cached: it sits on every layer's launch)."""
+    """1 / sqrt(d) rounded to fp32, as a Python float: the scale kernels apply after the
+    unscaled Hadamard transform (cached: it sits on every layer's launch)."""
     return float(torch.tensor(d ** -0.5, dtype=torch.float32))
 
 
@@ -209,7 +209,6 @@ class KVFormat:
         self.rotate_v = rotate_v
         self.smooth_k = smooth_k
         self._rot: dict[tuple[int, torch.device], torch.Tensor] = {}
-        self._signs: dict[tuple[int, torch.device, torch.dtype], torch.Tensor] = {}
 
     def rotation(self, head_dim: int, device: torch.device) -> torch.Tensor:
         """R [D, D] fp32 on `device` (cached): the matrix `rotate` multiplies by."""
@@ -217,15 +216,6 @@ class KVFormat:
         if key not in self._rot:
             self._rot[key] = hadamard(head_dim, device)
         return self._rot[key]
-
-    def rotation_signs(self, head_dim: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-        """R * sqrt(block): the exact +-1 entries of `rotation` in `dtype` (cached), for kernels
-        that sum on tensor cores and scale once."""
-        key = (head_dim, torch.device(device), dtype)
-        if key not in self._signs:
-            block = head_dim & -head_dim
-            self._signs[key] = torch.sign(hadamard(head_dim, "cpu") * block ** 0.5).to(device, dtype)
-        return self._signs[key]
 
     def rotate(self, x: torch.Tensor) -> torch.Tensor:
         """x: [..., D] -> x @ R in fp32 (R symmetric orthonormal: its own inverse)."""

@@ -387,7 +387,7 @@ class PagePool:
         if scale is None and not self.fmt.rotate_k:
             return q
         if q.is_cuda and kv_transform.transform_supported(q):  # one kernel
-            return kv_transform.transform_rows(self.fmt, q, self.fmt.rotate_k, scale)
+            return kv_transform.transform_rows(q, self.fmt.rotate_k, scale)
         qf = q.float()
         if scale is not None:  # [Hkv, D]: query head h reads kv head h // (Hq / Hkv)
             qf = (qf.unflatten(1, (self.kv_heads, -1)) * scale.float()[:, None, :]).flatten(1, 2)
@@ -398,7 +398,7 @@ class PagePool:
         if not self.fmt.rotate_v:
             return o
         if o.is_cuda and o.dim() == 3 and kv_transform.transform_supported(o):
-            return kv_transform.transform_rows(self.fmt, o, True)
+            return kv_transform.transform_rows(o, True)
         return self.fmt.rotate(o).to(o.dtype)
 
     def bytes_per_page(self) -> int:

@@ -193,12 +193,12 @@ def check_fused_store(kt: ModuleType, name: str, heads: int, page_size: int, hea
     _check_pages(name, fmt, ref, got, head_dim)
     q = torch.randn(n_rows, heads * gqa, head_dim, generator=g).to(dtype)
     want_q = pool.native_q(0, q)
-    have_q = kt.transform_rows(fmt, q.to(dev), True, pool.k_channel_scale[0].to(dev)).cpu()
+    have_q = kt.transform_rows(q.to(dev), True, pool.k_channel_scale[0].to(dev)).cpu()
     assert have_q.dtype == q.dtype
     assert torch.allclose(want_q.float(), have_q.float(), rtol=2e-2 if dtype != torch.float32 else 1e-4,
                           atol=1e-3), f"{name}: native_q kernel differs"
     want_o = pool.native_out(q)
-    have_o = kt.transform_rows(fmt, q.to(dev), True).cpu()
+    have_o = kt.transform_rows(q.to(dev), True).cpu()
     assert torch.allclose(want_o.float(), have_o.float(), rtol=2e-2 if dtype != torch.float32 else 1e-4,
                           atol=1e-3), f"{name}: native_out kernel differs"
 
