@@ -153,23 +153,28 @@ if HAVE_TRITON:
     import triton.language as tl
 
     @triton.jit(do_not_specialize=["Hkv", "G", "C"])
-    def _quest_kernel(q_ptr, ids_ptr, kmin_ptr, kmax_ptr, cnt_ptr, hmin_ptr, hmax_ptr, hcnt_ptr, lim_ptr, out_ptr,
-                      Hkv, G, C, D: tl.constexpr, BLOCK_C: tl.constexpr, REDUCE_MAX: tl.constexpr,
-                      HAS_HOST: tl.constexpr, HAS_LIMIT: tl.constexpr, CENTROID: tl.constexpr):
+    def _quest_kernel(q_ptr, ids_ptr, kmin_ptr, kmax_ptr, cnt_ptr, hmin_ptr, hmax_ptr, hcnt_ptr, lim_ptr, cand_ptr,
+                      out_ptr, Hkv, G, C, D: tl.constexpr, BLOCK_C: tl.constexpr, REDUCE_MAX: tl.constexpr,
+                      HAS_HOST: tl.constexpr, HAS_LIMIT: tl.constexpr, CENTROID: tl.constexpr,
+                      FILL: tl.constexpr):
         """One (row r, kv head h, BLOCK_C candidates): bound of each of the G query heads of h,
         summed (quest) or maxed (quest-max) over them; pages with no rows score +inf. HAS_LIMIT:
         columns at or past lim[r] are neither read nor written. CENTROID: kmin / hmin hold the
         pages' key sums instead, and the score is the group's summed q . the page's mean key
-        (kmax / hmax are not read)."""
+        (kmax / hmax are not read). FILL: every column is written, -inf where cand[r, c] < 0 or
+        past the limit (the scores top-k reads as they are)."""
         r = tl.program_id(0)
         h = tl.program_id(1)
         c0 = tl.program_id(2) * BLOCK_C
         n = C
         if HAS_LIMIT:
             n = tl.minimum(tl.load(lim_ptr + r).to(tl.int32), C)
-        if c0 >= n:  # a captured step scores the whole table width; most of it lies past the context
-            return
         c = c0 + tl.arange(0, BLOCK_C)
+        dst = out_ptr + (r * Hkv + h).to(tl.int64) * C + c
+        if c0 >= n:  # a captured step scores the whole table width; most of it lies past the context
+            if FILL:
+                tl.store(dst, tl.full([BLOCK_C], float("-inf"), tl.float32), mask=c < C)
+            return
         d = tl.arange(0, D)
         cm = c < n
         ids = tl.load(ids_ptr + r.to(tl.int64) * C + c, mask=cm, other=0).to(tl.int64)
@@ -191,19 +196,66 @@ if HAVE_TRITON:
         if CENTROID:  # (sum_g q_g) . (ksum / count)
             qs = tl.zeros([D], tl.float32)
             for g in range(0, G):
-                qs += tl.load(q_row + g * D + d)
+                qs += tl.load(q_row + g * D + d).to(tl.float32)
             acc = tl.sum(kmin * qs[None, :], axis=1) / tl.maximum(cnt, 1).to(tl.float32)
         else:
             acc = tl.full([BLOCK_C], float("-inf") if REDUCE_MAX else 0.0, tl.float32)
             for g in range(0, G):
-                qv = tl.load(q_row + g * D + d)[None, :]  # [1, D] fp32
+                qv = tl.load(q_row + g * D + d).to(tl.float32)[None, :]  # [1, D]
                 bound = tl.sum(tl.maximum(qv * kmin, qv * kmax), axis=1)  # sum_d max(q_d min_d, q_d max_d)
                 if REDUCE_MAX:
                     acc = tl.maximum(acc, bound)
                 else:
                     acc = acc + bound
         acc = tl.where(cnt == 0, float("inf"), acc)
-        tl.store(out_ptr + (r * Hkv + h).to(tl.int64) * C + c, acc, mask=cm)
+        if FILL:
+            cand = tl.load(cand_ptr + r.to(tl.int64) * C + c, mask=cm, other=-1)
+            tl.store(dst, tl.where(cand >= 0, acc, float("-inf")), mask=c < C)
+        else:
+            tl.store(dst, acc, mask=cm)
+
+    @triton.jit(do_not_specialize=["Hkv", "C", "F", "K"])
+    def _assemble_kernel(top_ptr, cidx_ptr, cids_ptr, fidx_ptr, fids_ptr, topk_ptr, idx_ptr, ids_ptr, Hkv, C, F, K,
+                         BLOCK: tl.constexpr):
+        """One (row r, kv head h): list entries 0 .. F-1 are the row's fixed pages, F .. F+K-1 its
+        top-k candidates (top: candidate columns); page index -1 where an entry reads nothing."""
+        r = tl.program_id(0)
+        h = tl.program_id(1)
+        rh = r * Hkv + h
+        n_sel = F + K
+        kr = tl.load(topk_ptr + r)
+        for j0 in range(0, n_sel, BLOCK):
+            j = j0 + tl.arange(0, BLOCK)
+            fixed = j < F
+            cand = (j >= F) & (j < n_sel)
+            fi = tl.load(fidx_ptr + r * F + j, mask=fixed, other=-1)
+            fid = tl.load(fids_ptr + r * F + j, mask=fixed, other=0)
+            t = tl.load(top_ptr + rh.to(tl.int64) * K + (j - F), mask=cand, other=0)
+            ci = tl.load(cidx_ptr + r.to(tl.int64) * C + t, mask=cand, other=-1)
+            cid = tl.load(cids_ptr + r.to(tl.int64) * C + t, mask=cand, other=0)
+            idx = tl.where(fixed, fi, tl.where((j - F < kr) & (ci >= 0), ci, -1))
+            out = rh.to(tl.int64) * n_sel + j
+            tl.store(idx_ptr + out, idx, mask=j < n_sel)
+            tl.store(ids_ptr + out, tl.where(fixed, fid, cid), mask=j < n_sel)
+
+    @triton.jit(do_not_specialize=["T", "Hkv", "S"])
+    def _summary_rows_kernel(slot_ptr, k_ptr, kmin_ptr, kmax_ptr, ksum_ptr, cnt_ptr, stride_kt, T, Hkv, S,
+                             D: tl.constexpr):
+        """Row t, kv head h of a step writing at most one row a page: fold key k[t, h] into its
+        page's summaries (a row 0 starts the page over)."""
+        t = tl.program_id(0)
+        h = tl.program_id(1)
+        slot = tl.load(slot_ptr + t).to(tl.int64)
+        page = slot // S
+        first = slot % S == 0
+        d = tl.arange(0, D)
+        x = tl.load(k_ptr + t.to(tl.int64) * stride_kt + h * D + d).to(tl.float32)
+        row = (page * Hkv + h) * D + d
+        tl.store(kmin_ptr + row, tl.where(first, x, tl.minimum(tl.load(kmin_ptr + row), x)))
+        tl.store(kmax_ptr + row, tl.where(first, x, tl.maximum(tl.load(kmax_ptr + row), x)))
+        tl.store(ksum_ptr + row, tl.where(first, 0.0, tl.load(ksum_ptr + row)) + x)
+        if h == 0:
+            tl.store(cnt_ptr + page, tl.where(first, 0, tl.load(cnt_ptr + page)) + 1)
 
 
 # (kmin [P, Hkv, D] fp32, kmax [P, Hkv, D] fp32, count [P] int32) of one layer of one tier
@@ -213,28 +265,85 @@ CentroidRows = tuple[torch.Tensor, torch.Tensor]
 
 
 def quest_scores(qg: torch.Tensor, dev: SummaryRows, cand_ids: torch.Tensor, reduce_max: bool = False,
-                 host: SummaryRows | None = None, limit: torch.Tensor | None = None) -> torch.Tensor:
+                 host: SummaryRows | None = None, limit: torch.Tensor | None = None,
+                 cand_idx: torch.Tensor | None = None) -> torch.Tensor:
     """Quest bounds of candidate pages, fused (layers/retrieval.py page_scores' quest / quest-max).
 
-    qg: [R, Hkv, G, D] fp32 raw queries; dev / host: one layer's summaries (kv/summaries.py) of
-    the compute pool / host tier; cand_ids: [R, C] page ids (negative: host_ref, needs `host`);
-    reduce_max: max over the G query heads (quest-max) instead of the sum (quest); limit: [R]
-    int, row r's columns >= limit[r] are skipped (left unwritten: the caller masks them).
+    qg: [R, Hkv, G, D] raw queries (any float dtype; the bounds in fp32); dev / host: one
+    layer's summaries (kv/summaries.py) of the compute pool / host tier; cand_ids: [R, C] page
+    ids (negative: host_ref, needs `host`); reduce_max: max over the G query heads (quest-max)
+    instead of the sum (quest); limit: [R] int, row r's columns >= limit[r] are skipped (left
+    unwritten: the caller masks them); cand_idx: [R, C], with it every column is written and
+    those where cand_idx < 0 or past the limit score -inf (ready for top-k).
     -> [R, Hkv, C] fp32; +inf for pages with no rows (chosen first). No host synchronisation.
     """
-    return _launch_scores(qg, dev, cand_ids, host, limit, reduce_max=reduce_max, centroid=False)
+    return _launch_scores(qg, dev, cand_ids, host, limit, cand_idx, reduce_max=reduce_max, centroid=False)
 
 
 def centroid_scores(qg: torch.Tensor, dev: CentroidRows, cand_ids: torch.Tensor, host: CentroidRows | None = None,
-                    limit: torch.Tensor | None = None) -> torch.Tensor:
+                    limit: torch.Tensor | None = None, cand_idx: torch.Tensor | None = None) -> torch.Tensor:
     """The `centroid` selector's scores, fused like quest_scores: per kv head, the group's summed
     query . each candidate page's mean key (its key sum / its row count). dev / host: one layer's
     (ksum [P, Hkv, D] fp32, count [P] int32); the other arguments and the result as quest_scores."""
-    return _launch_scores(qg, dev, cand_ids, host, limit, reduce_max=False, centroid=True)
+    return _launch_scores(qg, dev, cand_ids, host, limit, cand_idx, reduce_max=False, centroid=True)
+
+
+def assemble_lists(top: torch.Tensor, cand_idx: torch.Tensor, cand_ids: torch.Tensor, fixed_idx: torch.Tensor,
+                   fixed_ids: torch.Tensor, top_k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The per-(row, kv head) page lists of a selection, in one launch.
+
+    top: [R, Hkv, K] candidate columns (top-k of the scores); cand_idx / cand_ids: [R, C] each
+    column's page index (-1: not a candidate) / page id; fixed_idx / fixed_ids: [R, F] the row's
+    fixed pages (sink, window, pinned; -1: none); top_k: [R] candidates row r may take.
+    -> (page_idx, page_ids) [R, Hkv, F + K] int64: the fixed entries, then the candidates; page
+    index -1 where an entry reads nothing (no fixed page, past top_k[r], not a candidate).
+    `assemble_lists_reference` is the same in PyTorch."""
+    if not HAVE_TRITON:
+        raise RuntimeError("assemble_lists needs Triton; use assemble_lists_reference on CPU")
+    r, hkv, k = top.shape
+    f, c = fixed_idx.shape[1], cand_idx.shape[1]
+    idx = torch.empty((r, hkv, f + k), dtype=torch.int64, device=top.device)
+    ids = torch.empty_like(idx)
+    if r and f + k:
+        _assemble_kernel[(r, hkv)](top.contiguous(), cand_idx.contiguous(), cand_ids.contiguous(),
+                                   fixed_idx.contiguous(), fixed_ids.contiguous(), top_k.contiguous(), idx, ids, hkv,
+                                   c, f, k, BLOCK=min(128, triton.next_power_of_2(f + k)), num_warps=1)
+    return idx, ids
+
+
+def assemble_lists_reference(top: torch.Tensor, cand_idx: torch.Tensor, cand_ids: torch.Tensor,
+                             fixed_idx: torch.Tensor, fixed_ids: torch.Tensor,
+                             top_k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """assemble_lists in PyTorch (same arguments, any device)."""
+    r, hkv, k = top.shape
+    c, f = cand_idx.shape[1], fixed_idx.shape[1]
+    top_idx = cand_idx[:, None, :].expand(r, hkv, c).gather(-1, top)
+    top_ids = cand_ids[:, None, :].expand(r, hkv, c).gather(-1, top)
+    # a row with fewer candidates than k (a captured step's short contexts) takes them all
+    top_ok = (torch.arange(k, device=top.device) < top_k[:, None])[:, None, :] & (top_idx >= 0)
+    idx = torch.cat([fixed_idx[:, None, :].expand(r, hkv, f), torch.where(top_ok, top_idx, -1)], dim=-1)
+    ids = torch.cat([fixed_ids[:, None, :].expand(r, hkv, f), top_ids], dim=-1)
+    return idx.long(), ids.long()
+
+
+def update_summaries(kmin: torch.Tensor, kmax: torch.Tensor, ksum: torch.Tensor, count: torch.Tensor,
+                     slots: torch.Tensor, k: torch.Tensor, page_size: int) -> None:
+    """One layer's page summaries (kv/summaries.py: kmin / kmax / ksum [P, Hkv, D] fp32, count [P]
+    int32) take new keys k [T, Hkv, D] at slots [T], for a step that writes at most one row a page
+    (a decode step; padding rows sharing a scratch page leave that page's summaries undefined), in
+    one launch; a row 0 starts its page over. PageSummaries.update's scatter path is the reference."""
+    t, hkv, d = k.shape
+    if t == 0:
+        return
+    if k.stride(-1) != 1 or k.stride(1) != d:
+        k = k.contiguous()
+    _summary_rows_kernel[(t, hkv)](slots, k, kmin, kmax, ksum, count, k.stride(0), t, hkv, page_size, D=d,
+                                   num_warps=1)
 
 
 def _launch_scores(qg: torch.Tensor, dev: tuple, cand_ids: torch.Tensor, host: tuple | None,
-                   limit: torch.Tensor | None, reduce_max: bool, centroid: bool) -> torch.Tensor:
+                   limit: torch.Tensor | None, cand_idx: torch.Tensor | None, reduce_max: bool,
+                   centroid: bool) -> torch.Tensor:
     """quest_scores / centroid_scores: one _quest_kernel launch (CENTROID: the summaries are
     (ksum, count), passed where kmin goes; kmax slots get placeholders the kernel never reads)."""
     if not HAVE_TRITON:
@@ -251,10 +360,11 @@ def _launch_scores(qg: torch.Tensor, dev: tuple, cand_ids: torch.Tensor, host: t
         return out
     hmin, hmax, hcnt = host if host is not None else dev  # unused placeholders without a host tier
     lim = limit.contiguous() if limit is not None else dev[2]  # placeholder without a limit
+    cand = cand_idx.contiguous() if cand_idx is not None else cand_ids  # placeholder without one
     _quest_kernel[(r, hkv, triton.cdiv(c, max(1, SCORE_TILE // d)))](
-        qg.float().contiguous(), cand_ids.contiguous(), dev[0], dev[1], dev[2], hmin, hmax, hcnt, lim, out, hkv, g, c,
+        qg.contiguous(), cand_ids.contiguous(), dev[0], dev[1], dev[2], hmin, hmax, hcnt, lim, cand, out, hkv, g, c,
         D=d, BLOCK_C=max(1, SCORE_TILE // d), REDUCE_MAX=reduce_max, HAS_HOST=host is not None,
-        HAS_LIMIT=limit is not None, CENTROID=centroid, num_warps=4)
+        HAS_LIMIT=limit is not None, CENTROID=centroid, FILL=cand_idx is not None, num_warps=4)
     return out
 
 

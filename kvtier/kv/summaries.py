@@ -62,13 +62,22 @@ class PageSummaries:
     def bytes_per_page_layer(self) -> int:
         return 3 * self.kv_heads * self.head_dim * 4 + 4
 
-    def update(self, layer: int, slots: torch.Tensor, k: torch.Tensor) -> None:
+    def update(self, layer: int, slots: torch.Tensor, k: torch.Tensor, one_row_per_page: bool = False) -> None:
         """Fold newly written rows into their pages' summaries.
 
         slots: [T] int64 page * page_size + offset (the pool's slot_mapping); k: [T, Hkv, D] raw keys.
+        one_row_per_page: the step writes at most one row a page (a decode step), so off the CPU
+        one kernel updates each row's page in place (kernels/retrieval_attention.py
+        update_summaries) instead of the ~18 scatter ops below.
         """
         if slots.numel() == 0:
             return
+        if one_row_per_page and self.device.type != "cpu":
+            from kvtier.kernels.retrieval_attention import HAVE_TRITON, update_summaries
+            if HAVE_TRITON:
+                update_summaries(self.kmin[layer], self.kmax[layer], self.ksum[layer], self.count[layer], slots, k,
+                                 self.page_size)
+                return
         pages, reset = self._written(layer, slots)
         kmin, kmax, ksum, count = self.kmin[layer], self.kmax[layer], self.ksum[layer], self.count[layer]
         # only the written pages are read and rewritten (the whole layer's summaries were, per step)

@@ -239,7 +239,7 @@ class RetrievalAttention:
         plan = meta.step_cache.get(id(self))
         if plan is None:
             plan = meta.step_cache[id(self)] = self._plan(meta)
-        self.summaries.update(layer, meta.slot_mapping, k)
+        self.summaries.update(layer, meta.slot_mapping, k, one_row_per_page=plan.graph and self.kernel)
         if plan.graph:  # every row selects; layer 0 builds the tables (inside a capture: replayed)
             if layer == 0:
                 plan.sel = self._graph_tables(meta)
@@ -362,63 +362,70 @@ class RetrievalAttention:
             rows=rows, ctx=ctx, fixed_idx=fixed_idx, fixed_ids=bt.gather(1, fixed_idx.clamp_min(0)),
             cand_idx=cand_idx, cand_ids=bt, top_k=top_k, k=k, table=bt,
             starts=torch.arange(r * hkv, dtype=torch.long, device=device) * n_sel,
-            has_host=has_host, limit=w0, pad=(cand_idx < 0)[:, None, :], fixed_ok=(fixed_idx >= 0)[:, None, :],
-            k_ok=(torch.arange(k, device=device) < top_k[:, None])[:, None, :])
+            has_host=has_host, limit=w0, pad=None if self.fused_select else (cand_idx < 0)[:, None, :])
 
     # -- per layer --------------------------------------------------------------------------------
 
-    def select(self, layer: int, q: torch.Tensor, sel: "_Selection") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """q: [R, Hq, D] raw -> (page indices, page ids, valid), each [R, Hkv, n_sel]: the fixed
-        pages first (sink page 0 at column 0), then the top-k candidates per kv head."""
+    def select(self, layer: int, q: torch.Tensor, sel: "_Selection") -> tuple[torch.Tensor, torch.Tensor]:
+        """q: [R, Hq, D] raw -> (page indices, page ids), each [R, Hkv, n_sel]: the fixed pages
+        first (sink page 0 at column 0), then the top-k candidates per kv head; page index -1
+        where an entry reads nothing. With the kernels (`fused_select`): the scores come out
+        masked and one launch assembles the lists."""
         r, hkv = q.shape[0], self.store.kv_heads
-        qg = q.float().view(r, hkv, -1, q.shape[-1])  # [R, Hkv, g, D]
-        pad = sel.pad
+        fused = self.fused_select
+        qg = q.view(r, hkv, -1, q.shape[-1]) if fused else q.float().view(r, hkv, -1, q.shape[-1])  # [R, Hkv, g, D]
+        pad = None if fused else sel.pad
+        score = lambda name: self._scores(name, qg, layer, sel, pad)  # noqa: E731
         if self.config.selector == "hybrid":  # half the picks by the Quest bound, the rest by centroid
             k1 = sel.k // 2
-            s1 = page_scores("quest", qg, self.summaries, layer, sel.cand_ids, self.host_summaries, self.kernel,
-                             sel.limit)
-            top1 = s1.masked_fill(pad, float("-inf")).topk(k1, dim=-1).indices
-            s2 = page_scores("centroid", qg, self.summaries, layer, sel.cand_ids, self.host_summaries, self.kernel,
-                             sel.limit)
-            s2 = s2.masked_fill(pad, float("-inf")).scatter(-1, top1, float("-inf"))
+            top1 = score("quest").topk(k1, dim=-1).indices
+            s2 = score("centroid").scatter(-1, top1, float("-inf"))
             top = torch.cat([top1, s2.topk(sel.k - k1, dim=-1).indices], dim=-1)  # [R, Hkv, K]
         else:
-            scores = page_scores(self.config.selector, qg, self.summaries, layer, sel.cand_ids,
-                                 self.host_summaries, self.kernel, sel.limit)  # [R, Hkv, C]
-            top = scores.masked_fill(pad, float("-inf")).topk(sel.k, dim=-1).indices  # [R, Hkv, K]
-        c = sel.cand_idx.shape[1]
-        top_idx = sel.cand_idx[:, None, :].expand(r, hkv, c).gather(-1, top)
-        top_ids = sel.cand_ids[:, None, :].expand(r, hkv, c).gather(-1, top)
-        # a row with fewer candidates than k (a captured step's short contexts) takes them all
-        top_ok = sel.k_ok & (top_idx >= 0)
-        f = sel.fixed_idx.shape[1]
-        idx = torch.cat([sel.fixed_idx[:, None, :].expand(r, hkv, f), top_idx], dim=-1)
-        ids = torch.cat([sel.fixed_ids[:, None, :].expand(r, hkv, f), top_ids], dim=-1)
-        valid = torch.cat([sel.fixed_ok.expand(r, hkv, f), top_ok], dim=-1)
-        return idx.clamp_min(0), ids, valid
+            top = score(self.config.selector).topk(sel.k, dim=-1).indices  # [R, Hkv, K]
+        if fused:
+            from kvtier.kernels.retrieval_attention import assemble_lists
+            return assemble_lists(top, sel.cand_idx, sel.cand_ids, sel.fixed_idx, sel.fixed_ids, sel.top_k)
+        from kvtier.kernels.retrieval_attention import assemble_lists_reference
+        return assemble_lists_reference(top, sel.cand_idx, sel.cand_ids, sel.fixed_idx, sel.fixed_ids, sel.top_k)
+
+    @property
+    def fused_select(self) -> bool:
+        """Whether selections take the fused path: score kernels that mask as they write, the list
+        kernel (kernels/retrieval_attention.py); the kernel-scored selectors, power-of-two head_dim."""
+        d = self.store.head_dim
+        return self.kernel and self.config.selector in GRAPH_SELECTORS and d & (d - 1) == 0
+
+    def _scores(self, selector: str, qg: torch.Tensor, layer: int, sel: "_Selection",
+                pad: torch.Tensor | None) -> torch.Tensor:
+        """page_scores of the step's candidates, non-candidates at -inf (pad: the mask to apply;
+        None: the fused kernels mask as they write)."""
+        s = page_scores(selector, qg, self.summaries, layer, sel.cand_ids, self.host_summaries, self.kernel,
+                        sel.limit, cand_idx=sel.cand_idx if pad is None else None)
+        return s if pad is None else s.masked_fill(pad, float("-inf"))
 
     def _retrieve(self, layer: int, q: torch.Tensor, sel: "_Selection") -> torch.Tensor:
         """q: [R, Hq, D] (one decode row per selected sequence) -> [R, Hq, D]."""
-        idx, ids, valid = self.select(layer, q, sel)
+        page_idx, ids = self.select(layer, q, sel)
         if self.kernel and not self.record and (not sel.has_host or self.host_in_place):
             self.retrieved_rows += q.shape[0]
-            return self._retrieve_kernel(layer, q, sel, idx, ids, valid)
-        r, hkv, n_sel = idx.shape
+            return self._retrieve_kernel(layer, q, sel, page_idx, ids)
+        r, hkv, n_sel = page_idx.shape
         ps, d = self.store.page_size, q.shape[-1]
         plain = None if sel.has_host or self.record else self.store.plain_pages(layer)
         if plain is not None and (ops := cpu_ops.usable(q, plain[0])) is not None:
             # a plain CPU pool: the C++ kernel reads each kv head's own pages in place
             self.retrieved_rows += r
-            return ops.paged_decode_lists(q, plain[0], plain[1], ids, torch.where(valid, idx, -1), sel.ctx,
-                                          self.scale, cpu_ops.MIN_SPLIT)
+            return ops.paged_decode_lists(q, plain[0], plain[1], ids, page_idx, sel.ctx, self.scale,
+                                          cpu_ops.MIN_SPLIT)
         qn = self.store.native_q(layer, q) if self.native else q
         if not sel.has_host and not self.record:  # each kv head reads only its own pages (as the kernel)
             from kvtier.kernels.retrieval_attention import paged_decode_selected_reference
-            o = paged_decode_selected_reference(qn, self.store.layers[layer], self.store.fmt, ids,
-                                                torch.where(valid, idx, -1), None, sel.ctx, self.scale,
-                                                sink=self.store.kernel_sink(layer))
+            o = paged_decode_selected_reference(qn, self.store.layers[layer], self.store.fmt, ids, page_idx, None,
+                                                sel.ctx, self.scale, sink=self.store.kernel_sink(layer))
             self.retrieved_rows += r
             return self.store.native_out(o) if self.native else o
+        idx, valid = page_idx.clamp_min(0), page_idx >= 0
         kp, vp = self._read(layer, ids.reshape(-1), idx.reshape(-1), sel.starts)  # [R*Hkv*n, Hkv, ps, D]
         # keep kv head h's rows of the pages head h chose: the diagonal over (list head, page head)
         kk = kp.view(r, hkv, n_sel, hkv, ps, d).diagonal(dim1=1, dim2=3).permute(0, 4, 1, 2, 3)
@@ -433,17 +440,16 @@ class RetrievalAttention:
             self.mass_log.append(self._selected_mass(layer, qn, sel, idx, valid))
         return self.store.native_out(o) if self.native else o
 
-    def _retrieve_kernel(self, layer: int, q: torch.Tensor, sel: "_Selection", idx: torch.Tensor,
-                         ids: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    def _retrieve_kernel(self, layer: int, q: torch.Tensor, sel: "_Selection", page_idx: torch.Tensor,
+                         ids: torch.Tensor) -> torch.Tensor:
         """The same attention by the split-K kernel over each kv head's own list (raw q in)."""
         from kvtier.kernels.retrieval_attention import paged_decode_selected, selected_num_splits
         store, fmt = self.store, self.store.fmt
-        r, hkv, n_sel = idx.shape
+        r, hkv, n_sel = page_idx.shape
         sink = store.kernel_sink(layer)
         # rows rounded up to a power of two: an eager step and the padded graph replaying it split
         # alike (captured sizes never pass the next power of two, engine/cuda_graph.py)
         splits = selected_num_splits(1 << max(0, r - 1).bit_length(), hkv, n_sel, store.page_size, self.num_sms)
-        page_idx = torch.where(valid, idx, -1)
         native = store.kernel_native(layer, q.shape[-1]) if self.native else None
         if self.native and native is None:
             q = store.native_q(layer, q)
@@ -606,11 +612,8 @@ class _Selection:
     starts: torch.Tensor  # [R * Hkv] position of page 0 in the flattened selection (sink rows)
     has_host: bool = False  # some selecting sequence has host-tier pages
     limit: torch.Tensor | None = None  # [R] columns at or past this are not candidates (the window's start)
-    # the same for every layer, so made once a step: [R, 1, C] not a candidate; [R, 1, F] a fixed
-    # page; [R, 1, k] within the row's top_k
+    # [R, 1, C] not a candidate, made once a step (None: the fused path masks in its score kernel)
     pad: torch.Tensor | None = None
-    fixed_ok: torch.Tensor | None = None
-    k_ok: torch.Tensor | None = None
 
 
 @dataclass
@@ -636,26 +639,28 @@ def summary_rows(summaries: PageSummaries, host: PageSummaries | None, name: str
 
 def page_scores(selector: str, qg: torch.Tensor, summaries: PageSummaries, layer: int,
                 cand_ids: torch.Tensor, host: PageSummaries | None = None, kernel: bool = False,
-                limit: torch.Tensor | None = None) -> torch.Tensor:
-    """qg: [R, Hkv, g, D] fp32 raw queries; cand_ids: [R, C] pages (negative: host tier, whose
-    summaries are `host`) -> scores [R, Hkv, C].
+                limit: torch.Tensor | None = None, cand_idx: torch.Tensor | None = None) -> torch.Tensor:
+    """qg: [R, Hkv, g, D] raw queries (fp32; the kernels take any float dtype); cand_ids: [R, C]
+    pages (negative: host tier, whose summaries are `host`) -> scores [R, Hkv, C].
 
     Pages with no summary (never written in this pool) score +inf: chosen first, never missed.
     kernel: the Quest and centroid selectors through kernels/retrieval_attention.py quest_scores /
     centroid_scores (one launch, no gathered copies of the summaries; power-of-two head_dim), which
     skip each row's columns at or past `limit` ([R]; their scores are left unset: the caller masks
-    them).
+    them), or with `cand_idx` ([R, C], -1: not a candidate) write -inf there and at those columns.
     """
     r, hkv, d = qg.shape[0], qg.shape[1], qg.shape[-1]
     if kernel and selector in ("quest", "quest-max") and d & (d - 1) == 0:
         from kvtier.kernels.retrieval_attention import quest_scores
         rows = lambda t: (t.kmin[layer], t.kmax[layer], t.count[layer])  # noqa: E731
         return quest_scores(qg, rows(summaries), cand_ids, selector == "quest-max",
-                            rows(host) if host is not None else None, limit)
+                            rows(host) if host is not None else None, limit, cand_idx)
     if kernel and selector == "centroid" and d & (d - 1) == 0:
         from kvtier.kernels.retrieval_attention import centroid_scores
         rows = lambda t: (t.ksum[layer], t.count[layer])  # noqa: E731
-        return centroid_scores(qg, rows(summaries), cand_ids, rows(host) if host is not None else None, limit)
+        return centroid_scores(qg, rows(summaries), cand_ids, rows(host) if host is not None else None, limit,
+                               cand_idx)
+    qg = qg.float()
     if (selector in ("quest", "quest-max") and host is None
             and (ops := cpu_ops.usable(qg, summaries.kmin)) is not None):
         # CPU: one C++ pass over the candidates' summary rows (no gathered copies)

@@ -125,6 +125,21 @@ def test_cuda_graph_replay_matches_eager(name: str) -> None:
         torch.testing.assert_close(out.float(), want.float(), rtol=tol, atol=tol)
 
 
+_ispec = importlib.util.spec_from_file_location(
+    "retrieval_kernel_interp", Path(__file__).parents[1] / "layers" / "test_retrieval_kernel_interp.py")
+interp_cases = importlib.util.module_from_spec(_ispec)
+_ispec.loader.exec_module(interp_cases)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_selection_glue_kernels_match_references_cuda(seed: int) -> None:
+    """assemble_lists and update_summaries (the fused selection's list and summary kernels) ==
+    their PyTorch references, on CUDA."""
+    from kvtier.kernels import retrieval_attention as ra
+    interp_cases.check_assemble(ra, seed=1100 + seed, device="cuda")
+    interp_cases.check_update_summaries(ra, seed=1200 + seed, device="cuda")
+
+
 @pytest.mark.parametrize("with_host", [False, True])
 def test_quest_scores_match_reference_and_page_scores(with_host: bool) -> None:
     """Fused Quest bounds at real sizes == the reference (both tiers); == page_scores (compute pool)."""

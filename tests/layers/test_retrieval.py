@@ -244,8 +244,8 @@ def test_graph_tables_select_the_same_pages_as_the_step_tables():
     graph = retr.select(0, q, retr._graph_tables(meta))
 
     def chosen(sel, r, h):
-        idx, _, valid = sel
-        return sorted(int(p) for p, ok in zip(idx[r, h], valid[r, h]) if ok)
+        page_idx, _ = sel
+        return sorted(int(p) for p in page_idx[r, h] if p >= 0)
     for h in range(hkv):
         for r in (0, 1):
             assert chosen(graph, r, h) == chosen(eager, r, h)

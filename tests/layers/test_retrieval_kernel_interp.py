@@ -76,6 +76,12 @@ def main() -> None:
             check_quest_scores(ra, hkv, g, d, with_host, seed=600 + i)
         except AssertionError as e:
             failures.append(f"quest_scores Hkv={hkv} G={g} D={d} host={with_host}: {e}")
+    for i in range(3):
+        try:
+            check_assemble(ra, seed=1100 + i)
+            check_update_summaries(ra, seed=1200 + i)
+        except AssertionError as e:
+            failures.append(f"selection glue (seed {i}): {e}")
     for i, (name, gqa) in enumerate(BACKEND_CASES):  # RetrievalAttention wired to the kernel
         try:
             check_backend_kernel(name, gqa, seed=700 + i)
@@ -137,6 +143,15 @@ def check_quest_scores(ra, hkv: int, g: int, d: int, with_host: bool, seed: int)
         lim = ra.quest_scores(qg, dev, ids, reduce_max, host, limit=limit)
         for r, n in enumerate(limit.tolist()):
             assert torch.equal(lim[r, :, :n], got[r, :, :n]), f"max={reduce_max}: row {r} under limit {n}"
+        # cand_idx: every column written, -inf off the candidates and past the limit; q in bf16
+        cand = torch.where(torch.rand(3, 37, generator=gen) < 0.7, torch.arange(37), -1)
+        filled = ra.quest_scores(qg.bfloat16(), dev, ids, reduce_max, host, limit=limit, cand_idx=cand)
+        want_f = ra.quest_scores_reference(qg.bfloat16().float(), dev, ids, reduce_max, host)
+        off = (cand < 0)[:, None, :] | (torch.arange(37)[None, None, :] >= limit[:, None, None])
+        want_f = want_f.masked_fill(off, float("-inf"))
+        assert torch.equal(filled.isinf() & (filled < 0), want_f.isinf() & (want_f < 0)), "filled -inf differ"
+        fin = want_f.isfinite()
+        assert torch.allclose(filled[fin], want_f[fin], rtol=1e-5, atol=1e-4), f"max={reduce_max}: filled scores"
     # centroid_scores (the same kernel, key sums instead of min / max) == its reference
     ksum = (dev[0] + dev[1]).nan_to_num(0.0, 0.0, 0.0) * dev[2].float()[:, None, None]  # empty pages: 0
     cdev = (ksum, dev[2])
@@ -149,6 +164,45 @@ def check_quest_scores(ra, hkv: int, g: int, d: int, with_host: bool, seed: int)
         f"centroid: max |kernel - ref| = {(got[fin] - want[fin]).abs().max():.3g}"
     lim = ra.centroid_scores(qg, cdev, ids, chost, limit=torch.tensor([37, 5, 0]))
     assert torch.equal(lim[1, :, :5], got[1, :, :5])
+
+
+def check_assemble(ra, seed: int, device: str = "cpu") -> None:
+    """assemble_lists == assemble_lists_reference: fixed entries with gaps, candidates past a row's
+    top_k and top columns that are not candidates read nothing (page index -1)."""
+    gen = torch.Generator().manual_seed(seed)
+    r, hkv, c, f, k = 3, 2, 29, 5, 7
+    cand_ids = torch.randint(0, 100, (r, c), generator=gen)
+    cand_idx = torch.where(torch.rand(r, c, generator=gen) < 0.6, torch.arange(c), -1)
+    fixed_idx = torch.where(torch.rand(r, f, generator=gen) < 0.7, torch.randint(0, 40, (r, f), generator=gen), -1)
+    fixed_ids = torch.randint(0, 100, (r, f), generator=gen)
+    top = torch.stack([torch.stack([torch.randperm(c, generator=gen)[:k] for _ in range(hkv)]) for _ in range(r)])
+    top_k = torch.tensor([k, 3, 0])
+    got = [t.cpu() for t in ra.assemble_lists(*(t.to(device) for t in (top, cand_idx, cand_ids, fixed_idx,
+                                                                         fixed_ids, top_k)))]
+    want = ra.assemble_lists_reference(top, cand_idx, cand_ids, fixed_idx, fixed_ids, top_k)
+    assert torch.equal(got[0], want[0]), "page indices differ"
+    live = want[0] >= 0
+    assert torch.equal(got[1][live], want[1][live]), "page ids of live entries differ"
+    assert bool(live.any()) and bool((~live).any()), "vacuous: every entry live or none"
+
+
+def check_update_summaries(ra, seed: int, device: str = "cpu") -> None:
+    """update_summaries (one row a page) == PageSummaries.update's scatter path, rows 0 resetting
+    their pages among them."""
+    from kvtier.kv.summaries import PageSummaries
+    gen = torch.Generator().manual_seed(seed)
+    pages, ps, hkv, d = 9, 4, 2, 32
+    ref = PageSummaries(1, pages, hkv, d, ps, "cpu")
+    ref.update(0, torch.arange(pages * ps - 5), torch.randn(pages * ps - 5, hkv, d, generator=gen))
+    got = PageSummaries(1, pages, hkv, d, ps, device)
+    for name in ("kmin", "kmax", "ksum", "count"):
+        getattr(got, name).copy_(getattr(ref, name))
+    slots = torch.tensor([2 * ps, 5 * ps + 3, 8 * ps + 1, 0])  # rows 0 of pages 2 and 0: reset
+    k = torch.randn(4, hkv, d, generator=gen).to(torch.bfloat16)
+    ref.update(0, slots, k)
+    ra.update_summaries(got.kmin[0], got.kmax[0], got.ksum[0], got.count[0], slots.to(device), k.to(device), ps)
+    for name in ("kmin", "kmax", "ksum", "count"):
+        assert torch.equal(getattr(got, name).cpu(), getattr(ref, name)), f"{name} differs"
 
 
 @pytest.mark.parametrize("selector", ["quest", "quest-max"])
