@@ -230,8 +230,18 @@ class RetrievalAttention:
             self.pin_buf.fill_(-1)
             self._pins_set = False
 
-    def rope_store(self, layer: int, qkv: torch.Tensor, rope: QKRope, meta: AttentionMetadata) -> None:
-        return None  # `forward` updates the summaries from k before it stores
+    def rope_store(self, layer: int, qkv: torch.Tensor, rope: QKRope,
+                   meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """Graph-formulation decode steps (never a sink row): the layer's rotary and the store of
+        its K / V in one launch (PagePool.rope_store), as the triton backend does; `forward` then
+        folds the roped k into the summaries and stores nothing. Other steps: None."""
+        plan = meta.step_cache.get(id(self))
+        if plan is None or not plan.graph:
+            return None
+        got = self.store.rope_store(layer, meta.slot_mapping, qkv, rope)
+        if got is not None:
+            meta.step_cache[(id(self), layer)] = True  # this layer's rows are in the pages
+        return got
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
@@ -243,7 +253,8 @@ class RetrievalAttention:
         if plan.graph:  # every row selects; layer 0 builds the tables (inside a capture: replayed)
             if layer == 0:
                 plan.sel = self._graph_tables(meta)
-            self.store.write(layer, meta.slot_mapping, k, v)  # decode rows: never position 0
+            if not meta.step_cache.pop((id(self), layer), False):  # not already written by rope_store
+                self.store.write(layer, meta.slot_mapping, k, v)  # decode rows: never position 0
             return self._retrieve(layer, q, plan.sel)
         if plan.sel is None:
             return self.full.forward(layer, q, k, v, meta)
