@@ -42,6 +42,11 @@ from kvtier.layers.qweight import INT8_MAX, QuantWeight, pack_int4
 # + GEMM up to 512 rows (int4 [9728, 896]: 20 ms vs 96 ms at 128 rows, 75 vs 64 ms at 512), since
 # dequantizing costs more than a GEMM of a few hundred rows. CPU prefill chunks are 512 tokens.
 CPU_GEMV_MAX_ROWS = 1024
+# The same bound for the VNNI kernel (qv_gemm), whose weights dequantize through the C++ qv_dequant:
+# on a 2-core AMX Xeon, bf16, [17920, 1536] 4-bit: qv_gemm 3.3 / 11.7 / 45.7 / 204.6 ms at 16 / 64 /
+# 256 / 1024 rows against dequantize 7.3 ms + GEMM 2.4 / 4.1 / 9.2 / 45.5 ms ([1536, 8960]: 1.5 /
+# 5.9 / 24.9 / 102.7 vs 3.6 + 1.1 / 1.9 / 4.4 / 13.5): even at 64 rows, the GEMM above.
+VNNI_GEMV_MAX_ROWS = 64
 # Per-row int8 dequantizes fast (one multiply, 3 ms for [9728, 896] on one core) and its kernel
 # gains nothing from more rows (27 ms at 256 rows vs 3 + 10 ms dequantize + bf16 GEMM; even at 64):
 # batches above this many rows take the dense GEMM.
@@ -202,6 +207,7 @@ class VNNIWeight(PackedWeight):
     are held and read once (1 byte + 1/8 for the scales), not as two int4 halves."""
 
     row_align = Q4V_BLOCK
+    gemv_max_rows = VNNI_GEMV_MAX_ROWS
 
     def __init__(self, shape: tuple[int, int], group: int, bits: int, sym: float | None = None) -> None:
         """sym: every group's min is sym x its scale (symmetric codes: GGUF Q4_0, Q5_0, Q6_K, Q8_0), so
@@ -388,7 +394,14 @@ class VNNIWeight(PackedWeight):
         return torch.addcmul(minv, q.float(), scale).reshape(b * Q4V_BLOCK, k).to(dtype)
 
     def dequantize_into(self, r0: int, r1: int, out: torch.Tensor) -> None:
+        """The C++ kernel (qv_dequant) where it is built, else `_unpack`, which computes the same
+        values op by op (each code's int64 shifts: ~30x the prefill GEMM's own time)."""
         if r1 <= r0:
+            return
+        ops = cpu_ops.usable(out)
+        if ops is not None and out.is_contiguous():
+            ops.qv_dequant(self.codes, self.hbits, self.sm, self.group, self.bits,
+                           self.sym if self.sym is not None else 0.0, r0, out)
             return
         b0, b1 = r0 // Q4V_BLOCK, -(-r1 // Q4V_BLOCK)
         rows = self._unpack(self.codes[b0:b1], None if self.hbits is None else self.hbits[b0:b1], self.sm[b0:b1],

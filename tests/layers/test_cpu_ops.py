@@ -217,8 +217,16 @@ def test_vnni_packing_round_trips(ops, bits, n, k, group):
     assert packed.sm.shape[2] == (1 if qw.mins is None else 2)  # symmetric codes: scales alone
     dense = qw.dequantize()
     out = torch.empty(n - 16, k)
-    packed.dequantize_into(16, n, out)  # from a block boundary to a partial last block
+    packed.dequantize_into(16, n, out)  # from a block boundary to a partial last block (qv_dequant)
     assert torch.equal(out, dense[16:])
+    half = torch.empty(n - 16, k, dtype=torch.bfloat16)
+    packed.dequantize_into(16, n, half)
+    with cpu_ops.disabled():  # the PyTorch unpack: the same values, the same single rounding
+        ref = torch.empty(n - 16, k)
+        packed.dequantize_into(16, n, ref)
+        ref_half = torch.empty(n - 16, k, dtype=torch.bfloat16)
+        packed.dequantize_into(16, n, ref_half)
+    assert torch.equal(ref, dense[16:]) and torch.equal(half, ref_half)
     idx = torch.tensor([0, n - 1, 17 % n, 5])
     assert torch.equal(packed.rows(idx, torch.float32), dense[idx])
     # the size known before packing (TokenEmbedding keeps the smaller of the two forms)

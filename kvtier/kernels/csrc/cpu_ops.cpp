@@ -931,6 +931,66 @@ at::Tensor qv_gemm(const at::Tensor& x, const at::Tensor& codes, const c10::opti
 #endif
 }
 
+// Rows r0 .. r0 + R - 1 of a q4v / q5v / q6v / q8v weight (the qv_gemm layouts) dequantized into
+// out [R, K] (fp32 / bf16 / fp16): w = u scale + min (min = min_mult x scale for symmetric codes), the
+// product and the sum each rounded in fp32, then one rounding to out's dtype, as VNNIWeight._unpack
+// computes it (torch's addcmul). Prefill dequantizes a layer's weights into a reused scratch this
+// way before a dense GEMM; the PyTorch unpack took ~30x the GEMM's time (int64 shifts of every code).
+void qv_dequant(const at::Tensor& codes, const c10::optional<at::Tensor>& hbits, const at::Tensor& sm,
+                int64_t group, int64_t bits, double min_mult, int64_t r0, at::Tensor& out) {
+  TORCH_CHECK(bits == 4 || bits == 5 || bits == 6 || bits == 8, "qv_dequant: 4-, 5-, 6- or 8-bit codes");
+  check_cpu(out, "out");
+  TORCH_CHECK(out.dim() == 2 && out.is_contiguous(), "qv_dequant: out [R, K], contiguous");
+  const int64_t rows = out.size(0), k = out.size(1), per_word = bits == 8 ? 4 : 8, width = 32 / per_word;
+  const int64_t words = k / per_word, groups = k / group, planes = (bits == 5 || bits == 6) ? bits - 4 : 0;
+  TORCH_CHECK(group > 0 && k % group == 0 && group % per_word == 0, "qv_dequant: groups tiling K");
+  TORCH_CHECK(codes.scalar_type() == at::kInt && codes.is_contiguous() && codes.dim() == 3 &&
+                  codes.size(1) == words && codes.size(2) == 16 && r0 >= 0 && (r0 + rows + 15) / 16 <= codes.size(0),
+              "qv_dequant: int32 codes [ceil(N / 16), K / ", per_word, ", 16] holding the rows");
+  TORCH_CHECK(planes == 0 || (hbits.has_value() && hbits->scalar_type() == at::kInt && hbits->is_contiguous() &&
+                              hbits->numel() == codes.size(0) * (k / 32) * planes * 16),
+              "qv_dequant: 5- and 6-bit codes come with int32 high bits [ceil(N / 16), K / 32, planes, 16]");
+  const int64_t sms = sm.numel() == codes.size(0) * groups * 16 ? 1 : 2;  // scales alone, or (scale, min)
+  TORCH_CHECK(sm.scalar_type() == at::kHalf && sm.is_contiguous() && sm.numel() == codes.size(0) * groups * 16 * sms,
+              "qv_dequant: fp16 scales (and mins) [ceil(N / 16), K / G, 1 or 2, 16]");
+  const int32_t* cp = codes.data_ptr<int32_t>();
+  const int32_t* hp = planes ? hbits->data_ptr<int32_t>() : nullptr;
+  const Half* sp = sm.data_ptr<Half>();
+  const float mm = static_cast<float>(min_mult);
+  const uint32_t mask = (1u << width) - 1;
+  // bit of column 32 c + cc in a high-bits word: cc = 8 t + 2 i + p sits at bit 8 i + 2 t + p
+  int hbit[32];
+  for (int cc = 0; cc < 32; ++cc) hbit[cc] = 8 * ((cc % 8) / 2) + 2 * (cc / 8) + (cc % 2);
+  KVT_DISPATCH_FLOAT(out.scalar_type(), "qv_dequant", [&] {
+    scalar_t* op = out.data_ptr<scalar_t>();
+    at::parallel_for(0, rows, 16, [&](int64_t lo, int64_t hi) {
+      std::vector<float> u(k);
+      for (int64_t i = lo; i < hi; ++i) {
+        const int64_t row = r0 + i, b = row / 16, lane = row % 16;
+        for (int64_t j = 0; j < words; ++j) {
+          const uint32_t w = static_cast<uint32_t>(cp[(b * words + j) * 16 + lane]);
+          for (int64_t t = 0; t < per_word; ++t) u[j * per_word + t] = static_cast<float>((w >> (width * t)) & mask);
+        }
+        for (int64_t plane = 0; plane < planes; ++plane) {
+          for (int64_t c = 0; c < k / 32; ++c) {
+            const uint32_t h = static_cast<uint32_t>(hp[((b * (k / 32) + c) * planes + plane) * 16 + lane]);
+            for (int cc = 0; cc < 32; ++cc) u[c * 32 + cc] += static_cast<float>(((h >> hbit[cc]) & 1u) << (4 + plane));
+          }
+        }
+        scalar_t* orow = op + i * k;
+        for (int64_t g = 0; g < groups; ++g) {
+          const float scale = static_cast<float>(sp[((b * groups + g) * sms) * 16 + lane]);
+          const float minv = sms == 2 ? static_cast<float>(sp[((b * groups + g) * 2 + 1) * 16 + lane]) : scale * mm;
+          for (int64_t c = g * group; c < (g + 1) * group; ++c) {
+            const float prod = u[c] * scale;
+            orow[c] = from_f<scalar_t>(minv + prod);
+          }
+        }
+      }
+    });
+  });
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -945,5 +1005,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quest_scores", &quest_scores, nogil, "Quest bounds of candidate pages per row and kv head");
   m.def("silu_mul", &silu_mul, nogil, "silu(gu[:, :I]) * gu[:, I:]");
   m.def("qv_gemm", &qv_gemm, nogil, "x @ W^T over 4-bit q4v / 5-bit q5v / 6-bit q6v / 8-bit q8v codes (AVX512-VNNI) (+ residual)");
+  m.def("qv_dequant", &qv_dequant, nogil, "rows of a q4v / q5v / q6v / q8v weight, dequantized into out");
   m.def("qv_supported", &qv_supported, "whether qv_gemm was built (AVX512-VNNI)");
 }
