@@ -42,12 +42,16 @@ if HAVE_TRITON:
     MAX_LOG2_D = tl.constexpr(12)
 
     @triton.jit
+    def _butterflies(x, ROWS: tl.constexpr, D: tl.constexpr, H: tl.constexpr):
+        """One stage: columns j and j + H (bit log2(H) of j clear) -> (a + b, a - b)."""
+        y = tl.permute(tl.reshape(x, [ROWS, D // (2 * H), 2, H]), [0, 1, 3, 2])  # that bit last
+        a, b = tl.split(y)
+        return tl.reshape(tl.permute(tl.join(a + b, a - b), [0, 1, 3, 2]), [ROWS, D])
+
+    @triton.jit
     def fwht(x, ROWS: tl.constexpr, D: tl.constexpr):
         """x [ROWS, D] fp32 (D a power of two) -> x H (module docstring)."""
         for s in tl.static_range(MAX_LOG2_D):
-            h: tl.constexpr = 1 << s
-            if h < D:
-                y = tl.permute(tl.reshape(x, [ROWS, D // (2 * h), 2, h]), [0, 1, 3, 2])  # bit s last
-                a, b = tl.split(y)
-                x = tl.reshape(tl.permute(tl.join(a + b, a - b), [0, 1, 3, 2]), [ROWS, D])
+            if (1 << s) < D:
+                x = _butterflies(x, ROWS, D, 1 << s)
         return x

@@ -1,0 +1,94 @@
+"""The kernels that rotate through kernels/hadamard.py's transform, and the retrieval selection's
+kernels, compile for sm_90 on this CPU box (Triton's bundled ptxas).
+
+The interpreter (TRITON_INTERPRET=1) runs their Python semantics only: a construct the compiler
+refuses (a constexpr reassigned inside a static loop was one) passes there and fails on the first
+GPU launch. The numbers are checked by the interpreter cases and tests/gpu.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from kvtier.kv.formats import make_format
+
+pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1",
+                                reason="interpreter mode: kernels are Python functions")
+
+_SIG = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32", torch.int8: "*i8",
+        torch.uint8: "*u8", torch.int32: "*i32", torch.int64: "*i64"}
+INV_SQRT_128 = 128 ** -0.5
+
+
+def _compile(fn, ptrs: dict[str, str], const: dict[str, object], floats: tuple[str, ...] = (), warps: int = 4,
+             stages: int = 2) -> None:
+    """Compile `fn` for sm_90: pointer arguments typed by `ptrs`, `const` as constexprs, `floats`
+    fp32 scalars, every other argument i32."""
+    triton = pytest.importorskip("triton")
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    sig = {n: "constexpr" if n in const else ptrs.get(n, "fp32" if n in floats else "i32") for n in fn.arg_names}
+    try:
+        triton.compile(ASTSource(fn, sig, constexprs=const), target=GPUTarget("cuda", 90, 32),
+                       options={"num_warps": warps, "num_stages": stages})
+    except FileNotFoundError as e:  # a Triton build without its bundled ptxas
+        pytest.skip(f"no ptxas: {e}")
+
+
+def _pages(name: str) -> dict[str, str]:
+    lay = {key: dtype for key, (_, dtype) in make_format(name).layout(8, 16, 128).items()}
+    return {"k": _SIG[lay["k"]], "ks": _SIG[lay.get("k_scale", lay["k"])], "v": _SIG[lay["v"]],
+            "vs": _SIG[lay.get("v_scale", lay["v"])]}
+
+
+@pytest.mark.parametrize("name", ["int8", "k8v4", "int4"])
+def test_split_kernel_with_folded_rotation_compiles(name: str) -> None:
+    pytest.importorskip("triton")
+    import kvtier.kernels.paged_attention as pa
+    pg = _pages(name)
+    native = pa.NativeDomain(torch.ones(8, 128), True, True)
+    const = pa.split_constants(make_format(name), 128, 16, 4, torch.bfloat16, True, False, 64, native)
+    ptrs = {"q_ptr": "*bf16", "k_ptr": pg["k"], "ks_ptr": pg["ks"], "v_ptr": pg["v"], "vs_ptr": pg["vs"],
+            "bt_ptr": "*i32", "lens_ptr": "*i32", "idx_ptr": "*i32", "ok_ptr": "*i32", "sk_ptr": "*bf16",
+            "sv_ptr": "*bf16", "slot_ptr": "*i64", "o_ptr": "*fp32", "lse_ptr": "*fp32", "cs_ptr": "*fp32"}
+    _compile(pa._split_kernel, ptrs, const, floats=("qk_scale",), warps=pa.NUM_WARPS, stages=pa.NUM_STAGES)
+    _compile(pa._merge_kernel, {"part_ptr": "*fp32", "lse_ptr": "*fp32", "out_ptr": "*bf16"},
+             dict(D=128, CHUNK=pa.MERGE_CHUNK, ROTATE=True, INV_SQRT_D=INV_SQRT_128))
+
+
+@pytest.mark.parametrize("block", [1, 16])
+@pytest.mark.parametrize("name", ["int8", "k8v4", "bf16"])
+def test_store_kernels_compile(name: str, block: int) -> None:
+    pytest.importorskip("triton")
+    import kvtier.kernels.kv_transform as kt
+    fmt, pg = make_format(name), _pages(name)
+    const = dict(D=128, BLOCK_T=block, INV_SQRT_D=INV_SQRT_128, K_SMOOTH=1 if fmt.quantized else 0,
+                 K_ROTATE=fmt.rotate_k, V_ROTATE=fmt.rotate_v, BIAS=8.0, MIN_S=1e-8,
+                 **kt._codec_args("K", fmt.k_codec, 128), **kt._codec_args("V", fmt.v_codec, 128))
+    pages = {"kd_ptr": pg["k"], "ks_ptr": pg["ks"], "vd_ptr": pg["v"], "vs_ptr": pg["vs"], "slot_ptr": "*i64",
+             "shift_ptr": "*fp32", "cs_ptr": "*fp32"}
+    warps = kt.ROW_WARPS if block == 1 else kt.TILE_WARPS
+    _compile(kt._rope_store_kernel, {**pages, "qkv_ptr": "*bf16", "cos_ptr": "*fp32", "sin_ptr": "*fp32",
+                                     "qw_ptr": "*bf16", "kw_ptr": "*bf16", "q_ptr": "*bf16", "k_ptr": "*bf16"},
+             dict(const, HQ=32, HKV=8, HAS_NORM=True), floats=("eps", "inv_d"), warps=warps)
+    _compile(kt._transform_store_kernel, {**pages, "k_ptr": "*bf16", "v_ptr": "*bf16"}, const, warps=warps)
+    _compile(kt._transform_rows_kernel, {"x_ptr": "*bf16", "out_ptr": "*bf16", "cs_ptr": "*fp32"},
+             dict(D=128, BLOCK_T=block, SMOOTH=2, ROTATE=True, INV_SQRT_D=INV_SQRT_128), warps=warps)
+
+
+def test_selection_kernels_compile() -> None:
+    pytest.importorskip("triton")
+    import kvtier.kernels.retrieval_attention as ra
+    _compile(ra._quest_kernel, {"q_ptr": "*bf16", "ids_ptr": "*i64", "kmin_ptr": "*fp32", "kmax_ptr": "*fp32",
+                                "cnt_ptr": "*i32", "hmin_ptr": "*fp32", "hmax_ptr": "*fp32", "hcnt_ptr": "*i32",
+                                "lim_ptr": "*i64", "cand_ptr": "*i64", "out_ptr": "*fp32"},
+             dict(D=128, BLOCK_C=ra.SCORE_TILE // 128, REDUCE_MAX=False, HAS_HOST=True, HAS_LIMIT=True,
+                  CENTROID=False, FILL=True))
+    _compile(ra._assemble_kernel, {n: "*i64" for n in ("top_ptr", "cidx_ptr", "cids_ptr", "fidx_ptr", "fids_ptr",
+                                                       "topk_ptr", "idx_ptr", "ids_ptr")}, dict(BLOCK=128), warps=1)
+    _compile(ra._summary_rows_kernel, {"slot_ptr": "*i64", "k_ptr": "*bf16", "kmin_ptr": "*fp32",
+                                       "kmax_ptr": "*fp32", "ksum_ptr": "*fp32", "cnt_ptr": "*i32"},
+             dict(D=128), warps=1)
