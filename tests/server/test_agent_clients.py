@@ -32,8 +32,12 @@ import pytest
 from tests.server.conftest import REPO, ServerProcess
 
 CLIENT_BIN = Path(os.environ.get("KVTIER_AGENT_CLIENTS", REPO / ".venv" / "npm" / "node_modules" / ".bin"))
-MAX_ATTEMPTS = 3  # temperature-1 sampling on a small model: a turn may run a wrong command
+# Greedy, a small model may loop on tools or run another command; each try meets another
+# prefix-cache state (the cached prompt comes back from another chunking), so tries differ.
+MAX_ATTEMPTS = 3
 TURN_TIMEOUT_S = 300  # one client run, prefill of a ~6K-token prompt on a busy 2-core box included
+# The whole test: every try run to its timeout, plus the server's start (the 1.5B loads in ~50 s).
+TEST_TIMEOUT_S = MAX_ATTEMPTS * TURN_TIMEOUT_S + 240
 
 
 def _run_client(cmd: list[str], workdir: Path, env: dict[str, str]) -> list[dict]:
@@ -107,6 +111,7 @@ def _attempts(run, workdir: Path, ended=lambda events: True) -> tuple[int, list]
     return 0, results
 
 
+@pytest.mark.timeout(TEST_TIMEOUT_S)
 def test_claude_code_tool_turn(qwen_server, tmp_path):
     claude = _client("claude")
     home = tmp_path / "home"
@@ -138,6 +143,7 @@ def test_claude_code_tool_turn(qwen_server, tmp_path):
     assert result["usage"]["cache_read_input_tokens"] > 0
 
 
+@pytest.mark.timeout(TEST_TIMEOUT_S)
 def test_codex_tool_turn(codex_server, tmp_path):
     qwen_server = codex_server
     codex = _client("codex")
