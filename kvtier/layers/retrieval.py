@@ -249,7 +249,7 @@ class RetrievalAttention:
         plan = meta.step_cache.get(id(self))
         if plan is None:
             plan = meta.step_cache[id(self)] = self._plan(meta)
-        self.summaries.update(layer, meta.slot_mapping, k, one_row_per_page=plan.graph and self.kernel)
+        self.summaries.update(layer, meta.slot_mapping, k, one_row_per_page=plan.graph)
         if plan.graph:  # every row selects; layer 0 builds the tables (inside a capture: replayed)
             if layer == 0:
                 plan.sel = self._graph_tables(meta)
@@ -383,10 +383,8 @@ class RetrievalAttention:
         where an entry reads nothing. With the kernels (`fused_select`): the scores come out
         masked and one launch assembles the lists."""
         r, hkv = q.shape[0], self.store.kv_heads
-        fused = self.fused_select
-        qg = q.view(r, hkv, -1, q.shape[-1]) if fused else q.float().view(r, hkv, -1, q.shape[-1])  # [R, Hkv, g, D]
-        pad = None if fused else sel.pad
-        score = lambda name: self._scores(name, qg, layer, sel, pad)  # noqa: E731
+        qg = q.view(r, hkv, -1, q.shape[-1])  # [R, Hkv, g, D]; page_scores takes it in any float dtype
+        score = lambda name: self._scores(name, qg, layer, sel)  # noqa: E731
         if self.config.selector == "hybrid":  # half the picks by the Quest bound, the rest by centroid
             k1 = sel.k // 2
             top1 = score("quest").topk(k1, dim=-1).indices
@@ -394,7 +392,7 @@ class RetrievalAttention:
             top = torch.cat([top1, s2.topk(sel.k - k1, dim=-1).indices], dim=-1)  # [R, Hkv, K]
         else:
             top = score(self.config.selector).topk(sel.k, dim=-1).indices  # [R, Hkv, K]
-        if fused:
+        if sel.pad is None:  # the fused path (`fused_select`, fixed by `_tables`)
             from kvtier.kernels.retrieval_attention import assemble_lists
             return assemble_lists(top, sel.cand_idx, sel.cand_ids, sel.fixed_idx, sel.fixed_ids, sel.top_k)
         from kvtier.kernels.retrieval_attention import assemble_lists_reference
@@ -407,10 +405,10 @@ class RetrievalAttention:
         d = self.store.head_dim
         return self.kernel and self.config.selector in GRAPH_SELECTORS and d & (d - 1) == 0
 
-    def _scores(self, selector: str, qg: torch.Tensor, layer: int, sel: "_Selection",
-                pad: torch.Tensor | None) -> torch.Tensor:
-        """page_scores of the step's candidates, non-candidates at -inf (pad: the mask to apply;
-        None: the fused kernels mask as they write)."""
+    def _scores(self, selector: str, qg: torch.Tensor, layer: int, sel: "_Selection") -> torch.Tensor:
+        """page_scores of the step's candidates, non-candidates at -inf (masked by `sel.pad`, or,
+        without one, by the fused score kernels as they write)."""
+        pad = sel.pad
         s = page_scores(selector, qg, self.summaries, layer, sel.cand_ids, self.host_summaries, self.kernel,
                         sel.limit, cand_idx=sel.cand_idx if pad is None else None)
         return s if pad is None else s.masked_fill(pad, float("-inf"))
