@@ -742,6 +742,14 @@ void x_parts_vec(const X* x, int64_t m, int64_t k, int64_t group, bool interleav
 }
 #endif
 
+// Bytes ahead of the word being read that qv_block asks into L2. The hardware prefetchers alone
+// left a decode step's weight stream at ~17 GB/s on a 2-core Xeon (qwen2.5-coder-1.5b, every
+// matrix in layer order, nothing else running) where a plain read of 1 GiB reaches ~23; with this
+// 6 KiB software prefetch the same pass reads ~23 GB/s (4 KiB: 21.6, 8 KiB: 22.8; into L1: ~20;
+// also prefetching the scales and high bits gained nothing). A thread's blocks lie back to back,
+// so the address runs on into its next block (past a tensor's end a prefetch does not fault).
+constexpr int64_t QV_PREFETCH_BYTES = 6144;
+
 #if defined(__AVX512F__) && defined(__AVX512VNNI__)
 // One 16-row block of W against MR rows of x (m0 ..), each word of codes loaded (and, 4-bit,
 // unpacked) once for all MR rows; the group sums of the MR rows -> rows_out [MR, 16].
@@ -758,6 +766,7 @@ inline void qv_block(const XParts& xp, const int32_t* blk, const int32_t* hb, co
     __m512i ah[MR], al[MR];
     for (int i = 0; i < MR; ++i) ah[i] = al[i] = _mm512_setzero_si512();
     for (int64_t j = g * wpg; j < (g + 1) * wpg; ++j) {
+      _mm_prefetch(reinterpret_cast<const char*>(blk + j * 16) + QV_PREFETCH_BYTES, _MM_HINT_T1);
       const __m512i w = _mm512_loadu_si512(blk + j * 16);
       if constexpr (BITS == 4 || BITS == 5 || BITS == 6) {
         __m512i even = _mm512_and_si512(w, nib);
