@@ -45,6 +45,7 @@ from kvtier.engine.calibrate import calibrate_pool, calibration_tokens
 from kvtier.kv.pool import PagePool, kv_bytes_per_token
 from kvtier.layers.backends import choose_backend, make_backend
 from kvtier.layers.retrieval import GRAPH_SELECTORS, graph_capable
+from kvtier.models.decoder import compute_dtype
 from kvtier.models.tokenizer import IncrementalDetokenizer, Tokenizer
 
 # KV budget when nothing else is said: CPU RAM is plentiful, GPU memory is planned.
@@ -104,7 +105,7 @@ class Engine:
         self.device = next(model.parameters()).device
         self.max_model_len = max_model_len or config.max_model_len or spec.max_position_embeddings
         cc = config.cache
-        compute = next(model.parameters()).dtype
+        compute = compute_dtype(model)
         kv_dtype = cc.kv_dtype if cc.kv_dtype != "auto" else KV_DTYPE_FOR_COMPUTE[compute]
         fmt = make_format(kv_dtype)
         num_pages = cc.num_pages or self._auto_pages(fmt, spec)
@@ -167,7 +168,7 @@ class Engine:
 
     def _auto_pages(self, fmt, spec) -> int:
         ps = self.config.cache.page_size
-        compute = next(self.model.parameters()).dtype
+        compute = compute_dtype(self.model)
         per_page = kv_bytes_per_token(fmt, spec.num_kv_heads, spec.head_dim, ps, compute) * spec.num_layers * ps
         if self.config.cache.gpu_kv_mib:
             budget = self.config.cache.gpu_kv_mib * 2**20

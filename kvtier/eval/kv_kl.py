@@ -29,6 +29,7 @@ from kvtier.engine.calibrate import CALIBRATION_TOKENS, calibrate_pool, calibrat
 from kvtier.kv.formats import FORMAT_NAMES, make_format
 from kvtier.kv.pool import PagePool
 from kvtier.layers.attention import AttentionMetadata, DensePagedAttention
+from kvtier.models.decoder import compute_dtype
 
 # Prefill chunk: each later chunk reads the earlier ones back from the quantized pool.
 DEFAULT_CHUNK = 256
@@ -67,7 +68,7 @@ def kv_kl(model: torch.nn.Module, tokens: list[int], formats: list[str], chunk: 
     """
     layers, kv_heads, head_dim = model.kv_shape
     device = next(model.parameters()).device
-    dtype = next(model.parameters()).dtype
+    dtype = compute_dtype(model)
     names = [reference] + [f for f in formats if f != reference]
     pages = -(-len(tokens) // page_size)
     pools = {f: PagePool(make_format(f), layers, pages, kv_heads, page_size, head_dim, device,

@@ -47,6 +47,15 @@ MAX_NAMES_IN_ERROR = 8
 Weight = torch.Tensor | QuantWeight  # a dense tensor or a quantized matrix
 
 
+def compute_dtype(model: torch.nn.Module) -> torch.dtype:
+    """The dtype a model's matmuls and KV run in: its `dtype` (a Decoder's), else its first
+    parameter's. Not the first parameter of a Decoder: on CPU its norms are fp32 (the residual
+    stream's dtype) while it computes in bf16, and an fp32 KV pool taken from them doubled the CPU
+    pool's bytes and its decode reads."""
+    dt = getattr(model, "dtype", None)
+    return dt if isinstance(dt, torch.dtype) else next(model.parameters()).dtype
+
+
 def residual_dtype_for(device: torch.device, dtype: torch.dtype) -> torch.dtype:
     """The residual stream's dtype: fp32 on CPU whatever the compute dtype (as llama.cpp keeps its
     activations), so the sums over layers and the norms do not round to bf16 at every step; the
