@@ -84,12 +84,22 @@ def _mib(by_device: dict[str, int]) -> str:
     return ", ".join(f"{n / 2**20:,.0f} MiB on {d}" for d, n in by_device.items())
 
 
+def load_model(path: str | Path, config: EngineConfig):
+    """(Decoder, checkpoint) of the model file at `path` as a resolved config runs it: tensors read
+    one at a time, in the file's own quantized format or cast (load_mode), then prepare_model."""
+    from kvtier.models.decoder import Decoder
+    from kvtier.models.loading import load_checkpoint
+
+    ckpt = load_checkpoint(path, dtype=DTYPES[config.dtype], weights=load_mode(config, Path(path)))
+    net = Decoder.from_tensors(ckpt.spec, ckpt.tensors, dtype=DTYPES[config.dtype], device=torch.device(config.device),
+                               consume=True)
+    return prepare_model(net, config, ckpt.metadata.get("tensor_types")), ckpt
+
+
 def build_engine(model: str, config: EngineConfig | None = None, show_progress: bool = True,
                  console: Console | None = None) -> Engine:
     """Resolve `model` (registry name or path), load weights and tokenizer, build the Engine."""
-    from kvtier.models.decoder import Decoder
     from kvtier.models.hub import resolve_model
-    from kvtier.models.loading import load_checkpoint
     from kvtier.models.tokenizer import Tokenizer
 
     config = resolve_device(config or EngineConfig())
@@ -105,13 +115,8 @@ def build_engine(model: str, config: EngineConfig | None = None, show_progress: 
             cpu_task = prog.add_task("CPU kernels (compiled on the first run only)", total=None)
             cpu_ops.ops()
             prog.remove_task(cpu_task)
-        task = prog.add_task(f"reading {Path(path).name}", total=3)
-        # one tensor at a time, in the file's own quantized format (or cast to the compute dtype)
-        ckpt = load_checkpoint(path, dtype=DTYPES[config.dtype], weights=load_mode(config, Path(path)))
-        prog.update(task, advance=1, description="building model")
-        dev = torch.device(config.device)
-        net = Decoder.from_tensors(ckpt.spec, ckpt.tensors, dtype=DTYPES[config.dtype], device=dev, consume=True)
-        prepare_model(net, config, ckpt.metadata.get("tensor_types"))
+        task = prog.add_task(f"reading {Path(path).name}", total=2)
+        net, ckpt = load_model(path, config)
         prog.update(task, advance=1, description="loading tokenizer")
         tok = Tokenizer.from_checkpoint(ckpt)
         prog.update(task, advance=1)

@@ -31,6 +31,7 @@ from kvtier.kv.summaries import PageSummaries
 from kvtier.layers.attention import AttentionMetadata, DensePagedAttention
 from kvtier.config import DEFAULT_SINK, DEFAULT_WINDOW, SELECTORS, RetrievalConfig
 from kvtier.layers.retrieval import RetrievalAttention
+from kvtier.models.decoder import compute_dtype
 
 DENSE = "dense"
 HAYSTACKS = ("repeated", "varied")
@@ -81,7 +82,7 @@ class _Runner:
         layers, kv_heads, head_dim = model.kv_shape
         self.model = model
         self.device = next(model.parameters()).device
-        dtype = next(model.parameters()).dtype
+        dtype = compute_dtype(model)
         self.ps = page_size
         pages = -(-max_tokens // page_size) + 1
         self.pool = PagePool(PlainFormat(dtype), layers, pages, kv_heads, page_size, head_dim, self.device,
@@ -279,23 +280,22 @@ def print_table(title: str, table: list[list[str]], console=None) -> str:
     return f"### {title}\n\n{to_markdown(table)}"
 
 
-def load(model: str, device: str, dtype: str):
-    """(Decoder, Tokenizer) with dense weights on `device` ("auto": CUDA when present)."""
-    from kvtier.models.decoder import Decoder
+def load(model: str, device: str, dtype: str, weights: str = "auto"):
+    """(Decoder, Tokenizer) as `kvtier serve` would run them with these options (engine/build.py:
+    on a bf16 CPU, bf16 with the file's quantized weights; `--dtype fp32` for the fp32 reference)."""
+    from kvtier.config import EngineConfig
+    from kvtier.engine.build import load_model, resolve_device
     from kvtier.models.hub import resolve_model
-    from kvtier.models.loading import load_checkpoint
     from kvtier.models.tokenizer import Tokenizer
 
-    dev = "cuda" if device == "auto" and torch.cuda.is_available() else ("cpu" if device == "auto" else device)
-    dt = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
-          "auto": torch.bfloat16 if dev == "cuda" else torch.float32}[dtype]
-    ckpt = load_checkpoint(resolve_model(model), dtype=dt)
-    return Decoder.from_tensors(ckpt.spec, ckpt.tensors, dtype=dt, device=dev), Tokenizer.from_checkpoint(ckpt)
+    config = resolve_device(EngineConfig(device=device, dtype=dtype, weights=weights))
+    net, ckpt = load_model(resolve_model(model), config)
+    return net, Tokenizer.from_checkpoint(ckpt)
 
 
 def main(args: argparse.Namespace) -> int:
     selectors = [s for s in args.selectors.split(",") if s]
-    model, tok = load(args.model, args.device, args.dtype)
+    model, tok = load(args.model, args.device, args.dtype, args.weights)
     lengths = [int(x) for x in args.lengths.split(",")]
     trials: list[Trial] = []
     for hay in args.haystack.split(","):

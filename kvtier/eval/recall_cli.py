@@ -30,7 +30,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--page-size", type=int, default=DEFAULT_PAGE_SIZE)
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
-    p.add_argument("--dtype", default="auto", choices=("auto", "fp32", "bf16", "fp16"))
+    p.add_argument("--dtype", default="auto", choices=("auto", "fp32", "bf16", "fp16"),
+                   help="as `kvtier serve --dtype` (auto: bf16 on CUDA and bf16-capable CPUs, else fp32)")
+    p.add_argument("--weights", default="auto", choices=("auto", "bf16", "int8", "int4"),
+                   help="as `kvtier serve --weights` (auto: a GGUF's own quantized format)")
     p.add_argument("--prompt-format", default="auto", choices=("auto", "raw", "chat"),
                    help="chat: haystack and question as a user turn in the model's chat template "
                         "(auto: when the model has one); raw: plain text")
