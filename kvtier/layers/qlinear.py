@@ -65,8 +65,9 @@ COL_SCALE_MIN = 2.0 ** -60
 PACK_ROWS = 16 * 64  # rows repacked to int4pack at once (a multiple of INT4PACK_BLOCK_N)
 # The q4v / q8v layouts (VNNIWeight): output rows in blocks of 16 (one AVX-512 register of fp32 results).
 Q4V_BLOCK = 16
-# Rows packed at once into a VNNIWeight: its int64 temporaries are ~24 bytes a weight, so 256 rows of
-# K = 8960 stay near 55 MB (the load's peak memory; tools/rss_load.py).
+# Rows packed at once into a VNNIWeight (the load's peak memory holds one chunk's temporaries: the
+# codes unpacked, their scales; the PyTorch packing, without the C++ kernels, adds int64 words at
+# ~24 bytes a weight; tools/rss_load.py).
 VNNI_PACK_ROWS = 64
 # Columns a layout's word spans (q4v, q5v's fifth-bit words, q8v): a group must be a multiple.
 VNNI_GROUP_MULTIPLE = {4: 8, 5: 32, 6: 16, 8: 4}
@@ -331,10 +332,27 @@ class VNNIWeight(PackedWeight):
     def _pack_rows(self, r0: int, codes: torch.Tensor, scale: torch.Tensor, minv: torch.Tensor) -> None:
         """codes [R, K] of rows r0.. (r0 a multiple of 16), scale / minv fp16 [R, G]."""
         r, k = codes.shape
-        rp, pw = -(-r // Q4V_BLOCK) * Q4V_BLOCK, self.per_word
+        rp = -(-r // Q4V_BLOCK) * Q4V_BLOCK
+        b0, nb = r0 // Q4V_BLOCK, rp // Q4V_BLOCK
+        ops = cpu_ops.ops()
+        if ops is not None:  # the same words in C++ (qv_pack)
+            ops.qv_pack(codes.to(torch.uint8).contiguous(), self.bits, self.codes[b0:b0 + nb],
+                        None if self.hbits is None else self.hbits[b0:b0 + nb])
+        else:
+            self._pack_codes(b0, nb, codes)
+        g, planes = k // self.group, self.sm.shape[2]
+        sm = torch.zeros(rp, planes, g, dtype=torch.float16)
+        sm[:r, 0] = scale
+        if planes == 2:
+            sm[:r, 1] = minv
+        self.sm[b0:b0 + nb] = sm.view(nb, Q4V_BLOCK, planes, g).permute(0, 3, 2, 1)
+
+    def _pack_codes(self, b0: int, nb: int, codes: torch.Tensor) -> None:
+        """The PyTorch reference of qv_pack: codes [R, K] into blocks b0 .. b0 + nb of codes / hbits."""
+        r, k = codes.shape
+        rp, pw = nb * Q4V_BLOCK, self.per_word
         q = torch.zeros(rp, k, dtype=torch.int64)
         q[:r] = codes
-        b0, nb = r0 // Q4V_BLOCK, rp // Q4V_BLOCK
         for plane in range(self.planes):  # bit 8 i + 2 t + p of word c <- bit 4 (+ plane) of column 32 c + 8 t + 2 i + p
             high = ((q >> (4 + plane)) & 1).view(rp, k // 32, 4, 4, 2).permute(0, 1, 3, 2, 4).reshape(rp, k // 32, 32)
             self.hbits[b0:b0 + nb, :, plane] = _words(high, 1).view(nb, Q4V_BLOCK, k // 32).transpose(1, 2)
@@ -342,12 +360,6 @@ class VNNIWeight(PackedWeight):
             q = q & 0xF
         words = _words(q.view(rp, k // pw, pw), 32 // pw)  # [Rp, K / W]
         self.codes[b0:b0 + nb] = words.view(nb, Q4V_BLOCK, k // pw).transpose(1, 2)
-        g, planes = k // self.group, self.sm.shape[2]
-        sm = torch.zeros(rp, planes, g, dtype=torch.float16)
-        sm[:r, 0] = scale
-        if planes == 2:
-            sm[:r, 1] = minv
-        self.sm[b0:b0 + nb] = sm.view(nb, Q4V_BLOCK, planes, g).permute(0, 3, 2, 1)
 
     def gemv(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         """x [M, K] -> x @ W^T [M, N] in x's dtype; with residual [M, N]: residual + that, in the

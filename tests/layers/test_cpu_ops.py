@@ -235,6 +235,22 @@ def test_vnni_packing_round_trips(ops, bits, n, k, group):
     assert VNNIWeight.for_qweight(qw, smaller_than=packed.nbytes() + 1) is not None
 
 
+@pytest.mark.parametrize("bits,n,k,group", VNNI_CASES)
+def test_qv_pack_matches_the_pytorch_packing(ops, bits, n, k, group):
+    """qv_pack (C++) writes the words, high-bit planes and scales _pack_codes builds in PyTorch,
+    the last block partial (n not a multiple of 16 in most cases)."""
+    from kvtier.layers.qlinear import VNNIWeight
+
+    qw = _qweight(n, k, group, n + 7, bits)
+    packed = VNNIWeight.from_qweight(qw)
+    with cpu_ops.disabled():
+        ref = VNNIWeight.from_qweight(qw)
+    assert packed.codes.abs().sum() > 0
+    for name in ("codes", "hbits", "sm"):
+        a, b = getattr(packed, name), getattr(ref, name)
+        assert (a is None) == (b is None) and (a is None or torch.equal(a, b)), name
+
+
 @pytest.mark.skipif(not cpu_ops.wanted() or cpu_ops.ops() is None or not cpu_ops.ops().qv_supported(),
                     reason="this CPU has no AVX512-VNNI (its matrices keep torch's int4pack / int8 packings)")
 @pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16])

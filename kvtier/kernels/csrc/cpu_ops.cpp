@@ -1000,6 +1000,57 @@ void qv_dequant(const at::Tensor& codes, const c10::optional<at::Tensor>& hbits,
   });
 }
 
+// Rows of codes (uint8 [R, K], each < 2^bits) into the qv layouts qv_gemm reads (VNNIWeight's
+// buffers, from block 0 of `out`: R <= 16 x its blocks, rows past R zero): out int32 [Nb, K / W, 16]
+// with lane r of word (b, j) holding row 16 b + r, columns W j .. W j + W - 1 at bits B i (B = 32 /
+// W: 4-bit words of eight, 8-bit words of four); 5- and 6-bit codes put their low four bits there and
+// bit 4 + plane of column 32 c + 8 t + 2 i + p at bit 8 i + 2 t + p of hbits [Nb, K / 32, planes,
+// 16] lane r, word c. The same words as VNNIWeight._pack_rows builds with int64 shifts and sums
+// per 64 rows in PyTorch (~20 of a 0.5B GGUF's ~30 s load).
+void qv_pack(const at::Tensor& codes, int64_t bits, at::Tensor& out, const c10::optional<at::Tensor>& hbits) {
+  TORCH_CHECK(bits == 4 || bits == 5 || bits == 6 || bits == 8, "qv_pack: 4-, 5-, 6- or 8-bit codes");
+  TORCH_CHECK(codes.scalar_type() == at::kByte && codes.dim() == 2 && codes.is_contiguous(),
+              "qv_pack: uint8 codes [R, K], contiguous");
+  const int64_t r = codes.size(0), k = codes.size(1), per_word = bits == 8 ? 4 : 8, width = 32 / per_word;
+  const int64_t words = k / per_word, planes = (bits == 5 || bits == 6) ? bits - 4 : 0;
+  TORCH_CHECK(k % (planes ? 32 : per_word) == 0, "qv_pack: K a multiple of the words' columns");
+  TORCH_CHECK(out.scalar_type() == at::kInt && out.is_contiguous() && out.dim() == 3 && out.size(1) == words &&
+                  out.size(2) == 16 && out.size(0) * 16 >= r,
+              "qv_pack: int32 out [Nb, K / ", per_word, ", 16] holding the rows");
+  const int64_t nb = out.size(0);
+  TORCH_CHECK(planes == 0 || (hbits.has_value() && hbits->scalar_type() == at::kInt && hbits->is_contiguous() &&
+                              hbits->numel() == nb * (k / 32) * planes * 16),
+              "qv_pack: 5- and 6-bit codes need int32 hbits [Nb, K / 32, planes, 16]");
+  const uint8_t* cp = codes.data_ptr<uint8_t>();
+  int32_t* op = out.data_ptr<int32_t>();
+  int32_t* hp = planes ? hbits->data_ptr<int32_t>() : nullptr;
+  const uint32_t low = planes ? 0xFu : (1u << width) - 1;
+  int hbit[32];
+  for (int cc = 0; cc < 32; ++cc) hbit[cc] = 8 * ((cc % 8) / 2) + 2 * (cc / 8) + (cc % 2);
+  at::parallel_for(0, nb, 1, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      for (int64_t lane = 0; lane < 16; ++lane) {
+        const int64_t row = b * 16 + lane;
+        const uint8_t* c = row < r ? cp + row * k : nullptr;
+        for (int64_t j = 0; j < words; ++j) {
+          uint32_t w = 0;
+          if (c != nullptr)
+            for (int64_t i = 0; i < per_word; ++i) w |= (static_cast<uint32_t>(c[j * per_word + i]) & low) << (width * i);
+          op[(b * words + j) * 16 + lane] = static_cast<int32_t>(w);
+        }
+        for (int64_t plane = 0; plane < planes; ++plane) {
+          for (int64_t cw = 0; cw < k / 32; ++cw) {
+            uint32_t w = 0;
+            if (c != nullptr)
+              for (int cc = 0; cc < 32; ++cc) w |= ((static_cast<uint32_t>(c[cw * 32 + cc]) >> (4 + plane)) & 1u) << hbit[cc];
+            hp[((b * (k / 32) + cw) * planes + plane) * 16 + lane] = static_cast<int32_t>(w);
+          }
+        }
+      }
+    }
+  });
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -1015,5 +1066,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_mul", &silu_mul, nogil, "silu(gu[:, :I]) * gu[:, I:]");
   m.def("qv_gemm", &qv_gemm, nogil, "x @ W^T over 4-bit q4v / 5-bit q5v / 6-bit q6v / 8-bit q8v codes (AVX512-VNNI) (+ residual)");
   m.def("qv_dequant", &qv_dequant, nogil, "rows of a q4v / q5v / q6v / q8v weight, dequantized into out");
+  m.def("qv_pack", &qv_pack, nogil, "uint8 codes [R, K] into the q4v / q5v / q6v / q8v words (and high bits)");
   m.def("qv_supported", &qv_supported, "whether qv_gemm was built (AVX512-VNNI)");
 }
