@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import random
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -191,9 +192,10 @@ def run_recall(model: torch.nn.Module, tok, lengths: list[int], depths: list[flo
                needles: int = 1, haystack: str = "repeated", budget: int = 1024,
                selectors: list[str] | None = None, sink: int = DEFAULT_SINK, window: int = DEFAULT_WINDOW,
                seed: int = 0, page_size: int = DEFAULT_PAGE_SIZE, record_mass: bool = False,
-               prompt_format: str = "raw") -> list[Trial]:
+               prompt_format: str = "raw", on_prompt: Callable[[list[Trial]], None] | None = None) -> list[Trial]:
     """Every (length, depth, trial) prompt, decoded by dense attention and each selector.
-    prompt_format: raw text, chat (the model's template), auto (chat when the model has one)."""
+    prompt_format: raw text, chat (the model's template), auto (chat when the model has one).
+    on_prompt: called with each prompt's trials (one per method) as it finishes."""
     if prompt_format not in PROMPT_FORMATS:
         raise ValueError(f"prompt_format must be one of {', '.join(PROMPT_FORMATS)}")
     chat = prompt_format == "chat" or (prompt_format == "auto" and chat_frame(tok) is not None)
@@ -210,11 +212,15 @@ def run_recall(model: torch.nn.Module, tok, lengths: list[int], depths: list[flo
                 rng = random.Random(f"{seed}:{haystack}:{needles}:{length}:{depth}:{t}")
                 ids, keys = build_prompt(tok, length, depth, needles, haystack, rng, page_size, chat)
                 first = int(runner.prefill(ids).argmax())
+                done = []
                 for method in [DENSE, *selectors]:
                     gen = runner.greedy(method, first, len(ids), max_new, stop)
                     answer = tok.decode(gen, skip_special_tokens=True)
-                    out.append(Trial(haystack, needles, length, depth, t, method,
-                                     all(k in answer for k in keys), answer, runner.take_mass(method)))
+                    done.append(Trial(haystack, needles, length, depth, t, method,
+                                      all(k in answer for k in keys), answer, runner.take_mass(method)))
+                out += done
+                if on_prompt is not None:
+                    on_prompt(done)
     return out
 
 
@@ -280,6 +286,14 @@ def print_table(title: str, table: list[list[str]], console=None) -> str:
     return f"### {title}\n\n{to_markdown(table)}"
 
 
+def _progress():
+    """A rich progress bar on stderr: prompts done, the last prompt's result, time so far and left."""
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                    TimeRemainingColumn(), console=Console(stderr=True))
+
+
 def load(model: str, device: str, dtype: str, weights: str = "auto"):
     """(Decoder, Tokenizer) as `kvtier serve` would run them with these options (engine/build.py:
     on a bf16 CPU, bf16 with the file's quantized weights; `--dtype fp32` for the fp32 reference)."""
@@ -297,12 +311,22 @@ def main(args: argparse.Namespace) -> int:
     selectors = [s for s in args.selectors.split(",") if s]
     model, tok = load(args.model, args.device, args.dtype, args.weights)
     lengths = [int(x) for x in args.lengths.split(",")]
+    depths = [float(x) for x in args.depths.split(",")]
+    hays, counts = args.haystack.split(","), [int(x) for x in args.needles.split(",")]
     trials: list[Trial] = []
-    for hay in args.haystack.split(","):
-        for nd in (int(x) for x in args.needles.split(",")):
-            trials += run_recall(model, tok, lengths, [float(x) for x in args.depths.split(",")], args.trials,
-                                 nd, hay, args.budget, selectors, args.sink, args.window, args.seed,
-                                 args.page_size, args.mass, args.prompt_format)
+    with _progress() as prog:
+        task = prog.add_task("recall prompts", total=len(hays) * len(counts) * len(lengths) * len(depths) * args.trials)
+
+        def advance(done: list[Trial]) -> None:
+            t = done[0]
+            found = " ".join(f"{x.method} {'+' if x.found else '-'}" for x in done)
+            prog.update(task, advance=1, description=f"{t.needles} needle(s), {t.length} tokens, depth {t.depth:.2f}: {found}")
+
+        for hay in hays:
+            for nd in counts:
+                trials += run_recall(model, tok, lengths, depths, args.trials, nd, hay, args.budget, selectors,
+                                     args.sink, args.window, args.seed, args.page_size, args.mass, args.prompt_format,
+                                     on_prompt=advance)
     table = summarize(trials)
     fmt = args.prompt_format if args.prompt_format != "auto" else ("chat" if chat_frame(tok) else "raw")
     title = (f"{args.model}: passkey recall ({fmt} prompts), budget {args.budget} (sink {args.sink}, "
