@@ -31,6 +31,9 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
                    help="matmul weights as loaded (auto: a GGUF's own quantized format, one copy; dense "
                         "on CPU for GGUFs up to 256 MiB, where it is faster; safetensors dense; int8/int4: "
                         "round-to-nearest at load)")
+    p.add_argument("--offload-layers", type=int, default=None,
+                   help="keep the last N decoder layers' weights in host RAM, copied to the GPU as each runs "
+                        "(default: as many as --gpu-memory-limit needs, see `kvtier plan`; 0 without one)")
     p.add_argument("--kv-dtype", default="auto")
     p.add_argument("--attention-backend", default="auto", choices=("auto", "dense", "triton"),
                    help="attention kernels (auto: triton on CUDA, else the dense reference)")
@@ -67,7 +70,7 @@ def _engine_config(a: argparse.Namespace) -> EngineConfig:
     return EngineConfig(device=a.device, dtype=a.dtype, max_batch=a.max_batch,
                         prefill_chunk=a.prefill_chunk, max_model_len=a.max_model_len,
                         cache=cache, threads=a.threads, decode_threads=a.decode_threads,
-                        decode_weights=a.decode_weights, weights=a.weights,
+                        decode_weights=a.decode_weights, weights=a.weights, offload_layers=a.offload_layers,
                         attention_backend=a.attention_backend, cuda_graphs=a.cuda_graphs, overlap=a.overlap,
                         retrieval=RetrievalConfig(budget=a.kvmem_budget, sink=a.kvmem_sink,
                                                   window=a.kvmem_window, selector=a.kvmem_selector))
@@ -305,7 +308,8 @@ def cmd_bench(a: argparse.Namespace) -> int:
 def cmd_plan(a: argparse.Namespace) -> int:
     from kvtier.engine.plan import plan_for_args, render
 
-    plan = plan_for_args(a.model, a.kv_dtype, a.context, a.gpu_memory_limit, a.host_kv_mib)
+    plan = plan_for_args(a.model, a.kv_dtype, a.context, a.gpu_memory_limit, a.host_kv_mib,
+                         offload_layers=a.offload_layers)
     print_tables(render(plan))
     for n in plan.notes:
         console.print(f"[yellow]note:[/] {n}")
@@ -390,6 +394,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--context", type=int, default=None)
     p.add_argument("--kv-dtype", default="bf16")
     p.add_argument("--host-kv-mib", type=int, default=0)
+    p.add_argument("--offload-layers", type=int, default=None,
+                   help="layers streamed from host RAM (default: the fewest --gpu-memory-limit needs)")
     p.set_defaults(fn=cmd_plan)
     p = sub.add_parser("eval", help="quality evaluations (recall: dense vs retrieval attention)")
     from kvtier.eval import recall_cli  # torch-free: the evaluation itself is imported when it runs

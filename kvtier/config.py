@@ -160,6 +160,10 @@ class EngineConfig:
     # --decode-weights dense, and on CPU for small files: engine/build.py CPU_DENSE_AUTO_MAX_FILE),
     # bf16 (dense) for safetensors; int8 / int4 = quantize_rtn at load
     weights: str = "auto"
+    # Decoder layers (the last ones) whose weights stay in host RAM and are copied to the device
+    # before each use (layers/offload.py): a model larger than --gpu-memory-limit. None: as the
+    # memory plan sizes it (engine/plan.py; 0 without a limit)
+    offload_layers: int | None = None
     # layers/backends.py: auto = the fastest the device supports (triton on CUDA, else dense)
     attention_backend: str = "auto"
     # layers/retrieval.py: past `budget` tokens a decode row attends to sink + window + top-k pages (0: dense)
@@ -186,6 +190,8 @@ class EngineConfig:
             raise ValueError(f"device must be one of {', '.join(DEVICES)}, got {self.device!r}")
         if self.dtype not in ("auto", "fp32", "bf16", "fp16"):
             raise ValueError(f"dtype must be auto|fp32|bf16|fp16, got {self.dtype!r}")
+        if self.offload_layers is not None and self.offload_layers < 0:
+            raise ValueError(f"offload_layers must be >= 0, got {self.offload_layers}")
         for name in ("threads", "decode_threads"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")

@@ -35,6 +35,9 @@ def resolve_device(config: EngineConfig) -> EngineConfig:
         decode_weights = "int8" if quantized_ok else "dense"
     elif decode_weights == "int8" and not quantized_ok:
         raise ValueError(f"int8 decode weights need bf16 on CPU (got {dtype} on {device})")
+    if config.offload_layers and device != "cuda":
+        raise ValueError("--offload-layers keeps layers in host RAM for a CUDA device; on the CPU every weight "
+                         "is in host RAM already")
     if decode_weights == "dense" and config.weights in ("int8", "int4"):
         raise ValueError(f"--weights {config.weights} quantizes the weights; --decode-weights dense asks for dense ones")
     return replace(config, device=device, dtype=dtype, decode_weights=decode_weights)
@@ -77,6 +80,8 @@ def prepare_model(net, config: EngineConfig, source_types: dict[str, str] | None
     """
     if config.decode_weights == "int8" and config.device == "cpu":
         net.enable_int8_gemv(source_types)
+    if config.offload_layers and net.offload is None:  # built whole (a random-weight shape): move them now
+        net.offload_last_layers(config.offload_layers)
     return net
 
 
@@ -91,8 +96,9 @@ def load_model(path: str | Path, config: EngineConfig):
     from kvtier.models.loading import load_checkpoint
 
     ckpt = load_checkpoint(path, dtype=DTYPES[config.dtype], weights=load_mode(config, Path(path)))
+    # streamed layers move to host RAM as each is built: the device never holds the whole model
     net = Decoder.from_tensors(ckpt.spec, ckpt.tensors, dtype=DTYPES[config.dtype], device=torch.device(config.device),
-                               consume=True)
+                               consume=True, offload_layers=config.offload_layers or 0)
     return prepare_model(net, config, ckpt.metadata.get("tensor_types")), ckpt
 
 

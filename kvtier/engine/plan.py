@@ -49,6 +49,11 @@ class MemoryPlan:
     problems: tuple[str, ...]
     notes: tuple[str, ...] = ()  # worth knowing, not a reason to refuse
     weight_format: str = "bf16"  # how the weights are held (weight_bytes counts that)
+    # Streamed layers (layers/offload.py): the last `offload_layers` layers' weights stay in host
+    # RAM (offload_bytes), copied each step into a staging buffer of one layer; weight_bytes is
+    # then what the GPU holds: the resident weights and that buffer.
+    offload_layers: int = 0
+    offload_bytes: int = 0
 
     @property
     def fits(self) -> bool:
@@ -88,6 +93,39 @@ def param_count(spec: ModelSpec) -> int:
     from kvtier.models.registry import expected_shapes
 
     return sum(math.prod(s) for s in expected_shapes(spec).values())
+
+
+def layer_share(spec: ModelSpec) -> float:
+    """The decoder layers' share of the parameters (the rest: embedding, head, final norm)."""
+    from kvtier.models.registry import expected_shapes
+
+    shapes = expected_shapes(spec)
+    return sum(math.prod(s) for n, s in shapes.items() if n.startswith("model.layers.")) / param_count(spec)
+
+
+# Streamed layers: the staging buffer holds the largest layer; a GGUF mixes types across layers
+# (Q4_K_M: some layers' ffn_down / attn_v in Q6_K), so it is sized this much above the mean layer.
+STAGING_MARGIN = 1.25
+# With layers streamed, the GPU KV pool keeps at least this many tokens (prefill chunks, the
+# retrieval window and selections); more memory goes to resident layers first, which save bus
+# traffic every step.
+OFFLOAD_MIN_GPU_KV_TOKENS = 8192
+
+
+def offload_split(spec: ModelSpec, weights: int, room: int, layers: int | None = None) -> tuple[int, int, int]:
+    """(streamed layers, bytes they keep in host RAM, bytes the GPU then holds for weights) when
+    `room` bytes of the GPU are left for weights; `layers`: that many streamed (else the fewest
+    that fit). The GPU holds the non-layer weights, the resident layers and one staging layer."""
+    n = spec.num_layers
+    per_layer = weights * layer_share(spec) / n
+    fixed = weights - per_layer * n
+    staging = per_layer * STAGING_MARGIN
+    if layers is None:
+        resident = n if weights <= room else max(0, min(n, int((room - fixed - staging) // per_layer)))
+        layers = n - resident
+    if layers == 0:
+        return 0, 0, weights
+    return layers, int(per_layer * layers), int(fixed + per_layer * (n - layers) + staging)
 
 
 def read_spec(path: Path) -> ModelSpec:
@@ -140,8 +178,11 @@ def held_weight_bytes(model: str, spec: ModelSpec) -> tuple[int, str] | None:
 
 def make_plan(spec: ModelSpec, kv_format: str, context: int | None, gpu_limit: int | None,
               host_kv_bytes: int | None, weight_dtype: str = "bf16",
-              prefill_chunk: int = CUDA_PREFILL_CHUNK, held: tuple[int, str] | None = None) -> MemoryPlan:
-    """held: (bytes, format) of quantized weights (held_weight_bytes); None: dense in weight_dtype."""
+              prefill_chunk: int = CUDA_PREFILL_CHUNK, held: tuple[int, str] | None = None,
+              offload_layers: int | None = None) -> MemoryPlan:
+    """held: (bytes, format) of quantized weights (held_weight_bytes); None: dense in weight_dtype.
+    offload_layers: layers streamed from host RAM (None: the fewest that let the weights and
+    OFFLOAD_MIN_GPU_KV_TOKENS of KV fit gpu_limit; 0 without a limit)."""
     from kvtier.kv.formats import make_format
 
     import torch
@@ -160,6 +201,11 @@ def make_plan(spec: ModelSpec, kv_format: str, context: int | None, gpu_limit: i
     context = context or spec.max_position_embeddings
     need_kv = int(context * kvpt)
     problems: list[str] = []
+    offload, offload_bytes = 0, 0
+    if offload_layers or (offload_layers is None and gpu_limit is not None):
+        kv_floor = min(need_kv, int(OFFLOAD_MIN_GPU_KV_TOKENS * kvpt))
+        room = (gpu_limit or 0) - scratch - reserve - kv_floor
+        offload, offload_bytes, weights = offload_split(spec, weights, room, offload_layers or None)
     if gpu_limit is None:
         gpu_kv = need_kv
     else:
@@ -171,7 +217,8 @@ def make_plan(spec: ModelSpec, kv_format: str, context: int | None, gpu_limit: i
                 f"{reserve / MIB:.0f} MiB leave {max(gpu_kv, 0) / MIB:.0f} MiB of the "
                 f"{gpu_limit / GIB:.2f} GiB limit for KV (need >= {min_kv / MIB:.0f} MiB, "
                 f"{MIN_GPU_PAGES} pages): raise --gpu-memory-limit to at least "
-                f"{math.ceil((weights + scratch + reserve + min_kv) / MIB)} MiB, or use a smaller model")
+                f"{math.ceil((weights + scratch + reserve + min_kv) / MIB)} MiB, or use a smaller model"
+                + (f" (already streaming {offload} of {spec.num_layers} layers from host RAM)" if offload else ""))
             gpu_kv = max(gpu_kv, 0)
         gpu_kv = min(gpu_kv, need_kv)
     host_need = max(0, need_kv - gpu_kv)
@@ -182,22 +229,34 @@ def make_plan(spec: ModelSpec, kv_format: str, context: int | None, gpu_limit: i
             f"a {context}-token context needs {need_kv / GIB:.2f} GiB of {kv_format} KV; the GPU pool "
             f"holds {gpu_kv / GIB:.2f} GiB, so the host tier needs {host_need / MIB:.0f} MiB but "
             f"--host-kv-mib gives {host_kv_bytes / MIB:.0f}: raise it or pick a smaller --kv-dtype")
-    if host > avail:
-        problems.append(f"the host tier needs {host / GIB:.2f} GiB of pinned RAM but only "
-                        f"{avail / GIB:.2f} GiB is free: use a smaller --kv-dtype or context")
+    if host + offload_bytes > avail:
+        what = (f"the host tier ({host / GIB:.2f} GiB) and the streamed layers' weights "
+                f"({offload_bytes / GIB:.2f} GiB) need" if offload_bytes else f"the host tier needs {host / GIB:.2f} GiB of")
+        problems.append(f"{what} pinned RAM but only {avail / GIB:.2f} GiB is free: use a smaller --kv-dtype "
+                        f"or context")
     notes = []
     if context > spec.max_position_embeddings:
         notes.append(f"the model was trained for {spec.max_position_embeddings} tokens; quality past that "
                      f"needs rope scaling")
+    if offload:
+        notes.append(f"{offload} of {spec.num_layers} layers stream their weights from host RAM: "
+                     f"{offload_bytes / GIB:.2f} GiB over the bus every decode step")
     return MemoryPlan(spec, weights, scratch, CUDA_RUNTIME_RESERVE, CUDA_GRAPH_RESERVE, kvpt, kv_format,
                       gpu_limit, context, int(gpu_kv), int(host), avail, tuple(problems), tuple(notes),
-                      held[1] if held is not None else weight_dtype)
+                      held[1] if held is not None else weight_dtype, offload, offload_bytes)
 
 
 def render(plan: MemoryPlan) -> Table:
     t = Table("item", "size", "tokens", title=f"memory plan: {plan.spec.name or plan.spec.arch}, "
                                               f"{plan.context} tokens, KV {plan.kv_format}")
-    t.add_row(f"weights ({plan.weight_format})", f"{plan.weight_bytes / GIB:.2f} GiB", "")
+    if plan.offload_layers:
+        n = plan.spec.num_layers
+        t.add_row(f"weights on the GPU ({plan.weight_format}; {n - plan.offload_layers} of {n} layers "
+                  f"+ a staging layer)", f"{plan.weight_bytes / GIB:.2f} GiB", "")
+        t.add_row(f"weights streamed from host RAM ({plan.offload_layers} layers)",
+                  f"{plan.offload_bytes / GIB:.2f} GiB", "")
+    else:
+        t.add_row(f"weights ({plan.weight_format})", f"{plan.weight_bytes / GIB:.2f} GiB", "")
     t.add_row("scratch (one prefill chunk)", f"{plan.scratch_bytes / MIB:.0f} MiB", "")
     t.add_row("CUDA runtime", f"{plan.runtime_bytes / MIB:.0f} MiB", "")
     t.add_row("CUDA graphs", f"{plan.graph_bytes / MIB:.0f} MiB", "")
@@ -228,9 +287,11 @@ RTN_WEIGHTS = {"int8": (8, False), "int4": (4, True)}
 
 
 def plan_for_args(model: str, kv_dtype: str, context: int | None, gpu_memory_limit: str | None,
-                  host_kv_mib: int, prefill_chunk: int = CUDA_PREFILL_CHUNK, weights: str = "auto") -> MemoryPlan:
+                  host_kv_mib: int, prefill_chunk: int = CUDA_PREFILL_CHUNK, weights: str = "auto",
+                  offload_layers: int | None = None) -> MemoryPlan:
     """The plan `kvtier plan` prints and `kvtier serve` checks, from CLI values (no weights read).
-    weights: `--weights` (auto: quantized files as stored, else bf16)."""
+    weights: `--weights` (auto: quantized files as stored, else bf16); offload_layers:
+    `--offload-layers` (None: as the limit needs)."""
     limit = parse_size(gpu_memory_limit) if gpu_memory_limit else None
     host = host_kv_mib * MIB if host_kv_mib else None
     kv = kv_dtype if kv_dtype != "auto" else "bf16"
@@ -240,7 +301,8 @@ def plan_for_args(model: str, kv_dtype: str, context: int | None, gpu_memory_lim
         held = quant_bytes(param_count(spec), bits, 32, mins), f"{weights}, groups of 32"
     else:
         held = held_weight_bytes(model, spec) if weights == "auto" else None
-    return make_plan(spec, kv, context, limit, host, prefill_chunk=prefill_chunk, held=held)
+    return make_plan(spec, kv, context, limit, host, prefill_chunk=prefill_chunk, held=held,
+                     offload_layers=offload_layers)
 
 
 def checked_engine_config(config: EngineConfig, model: str, gpu_memory_limit: str | None) -> EngineConfig:
@@ -255,7 +317,7 @@ def checked_engine_config(config: EngineConfig, model: str, gpu_memory_limit: st
         return config
     cc = config.cache
     plan = plan_for_args(model, cc.kv_dtype, config.max_model_len, gpu_memory_limit, cc.host_kv_mib,
-                         prefill_chunk_for("cuda", config.prefill_chunk), config.weights)
+                         prefill_chunk_for("cuda", config.prefill_chunk), config.weights, config.offload_layers)
     problems = list(plan.problems)
     room = (plan.gpu_limit or 0) - plan.weight_bytes - plan.scratch_bytes - plan.reserve_bytes
     if cc.gpu_kv_mib is not None and cc.gpu_kv_mib * MIB > room:
@@ -266,7 +328,8 @@ def checked_engine_config(config: EngineConfig, model: str, gpu_memory_limit: st
     gpu_kv_mib = cc.gpu_kv_mib or max(1, plan.gpu_kv_bytes // MIB)
     host_kv_mib = cc.host_kv_mib or math.ceil(plan.host_kv_bytes / MIB)
     _cap_cuda_memory(plan.gpu_limit or 0, config.device)
-    return replace(config, cache=replace(cc, gpu_kv_mib=gpu_kv_mib, host_kv_mib=host_kv_mib))
+    return replace(config, cache=replace(cc, gpu_kv_mib=gpu_kv_mib, host_kv_mib=host_kv_mib),
+                   offload_layers=plan.offload_layers)
 
 
 def _cap_cuda_memory(limit: int, device: str) -> None:

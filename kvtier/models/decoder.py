@@ -29,6 +29,7 @@ from kvtier.layers.attention import AttentionBackend, AttentionMetadata
 from kvtier.layers.linear import FOUR_BIT_SOURCES, Linear, int4_gemv_supported
 from kvtier.layers.mlp import GatedMLP
 from kvtier.layers.norm import RMSNorm
+from kvtier.layers.offload import LayerOffload
 from kvtier.layers.qlinear import QuantLinear, QuantRef, Scratch, VNNIWeight, make_linear
 from kvtier.layers.qweight import QuantWeight
 from kvtier.layers.rotary import RotaryEmbedding
@@ -179,12 +180,18 @@ class Decoder(torch.nn.Module):
     """Causal decoder over packed varlen tokens (see kvtier/layers/attention.py)."""
 
     def __init__(self, spec: ModelSpec, tensors: dict[str, Weight], dtype: torch.dtype,
-                 device: torch.device | str):
+                 device: torch.device | str, offload_layers: int = 0):
         """Prefer `from_tensors`, which validates names and shapes first. Consumes `tensors`: each
-        is popped once the module that holds it (repacked or as is) exists."""
+        is popped once the module that holds it (repacked or as is) exists. offload_layers: the
+        last that many layers keep their weights in host RAM, each moved there as soon as it is
+        built (layers/offload.py)."""
         super().__init__()
         self.spec = spec
         self.dtype = dtype
+        self.offload: LayerOffload | None = None
+        if not 0 <= offload_layers <= spec.num_layers:
+            raise ValueError(f"offload_layers must be in 0..{spec.num_layers}, got {offload_layers}")
+        first_streamed = spec.num_layers - offload_layers
         self.residual_dtype = residual_dtype_for(torch.device(device), dtype)
         self.scratch = Scratch()  # dequantized weights for CPU GEMMs, one buffer for all layers
         embed = tensors.pop("model.embed_tokens.weight")
@@ -204,16 +211,21 @@ class Decoder(torch.nn.Module):
             mine = [n for n in tensors if n.startswith(p)]
             layers.append(DecoderLayer(spec, {n[len(p):]: tensors.pop(n) for n in mine}, dtype, self.scratch,
                                        self.residual_dtype))
+            if i >= first_streamed:
+                self.offload = self.offload or LayerOffload(device)
+                self.offload.take(i, layers[-1])
             # the popped sources were allocated by the loader's threads, whose malloc arenas the
             # next layer's repacking does not reuse: hand them back now, not after the last layer
             release_free_memory()
         self.layers = torch.nn.ModuleList(layers)
+        if self.offload is not None:
+            self.offload.finish()
         self.rotary = RotaryEmbedding(spec.head_dim, spec.rope_theta, spec.max_position_embeddings,
                                       spec.rope_scaling, dtype=dtype, device=device)
 
     @classmethod
     def from_tensors(cls, spec: ModelSpec, tensors: dict[str, Weight], dtype: torch.dtype,
-                     device: torch.device | str, consume: bool = False) -> "Decoder":
+                     device: torch.device | str, consume: bool = False, offload_layers: int = 0) -> "Decoder":
         """Build from HF-named tensors (dense or QuantWeight); ValueError names any missing/extra/mis-shaped one.
 
         consume: empty `tensors` while building, so each source tensor is freed as soon as its
@@ -236,7 +248,21 @@ class Decoder(torch.nn.Module):
         else:
             cast = {n: place(n, t) for n, t in tensors.items()}
         with torch.device(device), loading_heap():
-            return cls(spec, cast, dtype, device)
+            return cls(spec, cast, dtype, device, offload_layers)
+
+    def offload_last_layers(self, n: int) -> None:
+        """Move the last `n` layers' weights to host RAM after the build (the model was whole on
+        the device; Decoder(offload_layers=n) instead never holds them there together)."""
+        if self.offload is not None:
+            raise RuntimeError("this Decoder already offloads layers")
+        if not 0 <= n <= self.spec.num_layers:
+            raise ValueError(f"offload_layers must be in 0..{self.spec.num_layers}, got {n}")
+        if n == 0:
+            return
+        self.offload = LayerOffload(next(self.norm.parameters()).device)
+        for i in range(self.spec.num_layers - n, self.spec.num_layers):
+            self.offload.take(i, self.layers[i])
+        self.offload.finish()
 
     def enable_int8_gemv(self, source_types: dict[str, str] | None = None) -> None:
         """Quantized copies of the dense matmul weights for small-batch (decode) CPU matmuls, lm_head
@@ -280,6 +306,8 @@ class Decoder(torch.nn.Module):
                 continue
             seen.add(key)
             out[t.device.type] = out.get(t.device.type, 0) + t.untyped_storage().nbytes()
+        if self.offload is not None:  # the streamed layers' host copies (the staging counted above)
+            out["cpu"] = out.get("cpu", 0) + self.offload.host_bytes()
         return out
 
     @property
@@ -298,6 +326,8 @@ class Decoder(torch.nn.Module):
         h = self.embedding(input_ids).to(self.residual_dtype)  # [T, H]
         cos, sin = self.rotary(positions, max_pos=meta.context_bound - 1)
         for i, layer in enumerate(self.layers):
+            if self.offload is not None:
+                self.offload.before(i)
             h = layer(i, h, cos, sin, meta, backend)
         h = self.norm(h.index_select(0, meta.logits_indices))  # [N, H] in the residual dtype
         logits = self.head(h.to(self.dtype)).float()  # [N, V]

@@ -6,7 +6,7 @@ import pytest
 
 import kvtier.engine.plan as plan_mod
 from kvtier.cli import main
-from kvtier.config import EngineConfig
+from kvtier.config import CacheConfig, EngineConfig
 from kvtier.engine.plan import GIB, MIB, checked_engine_config, make_plan, parse_size, spec_for
 
 FREE_RAM = 64 * GIB  # host RAM the tests pretend is free (independent of the machine)
@@ -38,8 +38,10 @@ def test_plan_splits_context_across_tiers() -> None:
 
 def test_plan_refusals_say_what_to_change() -> None:
     spec = spec_for("qwen3-8b")
-    p = make_plan(spec, "k8v4", 131072, 12 * GIB, None)  # 15 GiB of bf16 weights
+    p = make_plan(spec, "k8v4", 131072, 12 * GIB, None, offload_layers=0)  # 15 GiB of bf16 weights, none streamed
     assert not p.fits and "raise --gpu-memory-limit to at least" in p.problems[0]
+    p = make_plan(spec, "k8v4", 131072, 2 * GIB, None)  # embedding + head alone: 2.3 GiB, every layer streamed
+    assert not p.fits and p.offload_layers == spec.num_layers and "already streaming 36 of 36" in p.problems[0]
     p = make_plan(spec, "k8v4", 262144, 24 * GIB, 64 * MIB)
     assert not p.fits and "--host-kv-mib" in p.problems[0]
 
@@ -50,7 +52,11 @@ def test_plan_cli_prints_every_tier(capsys: pytest.CaptureFixture[str]) -> None:
     out = capsys.readouterr().out
     for row in ("weights", "GPU KV pool", "host KV tier", "scratch", "CUDA graphs", "CUDA runtime", "fits"):
         assert row in out
-    assert main(["plan", "--model", "qwen3-8b", "--gpu-memory-limit", "12GiB", "--kv-dtype", "k8v4"]) == 2
+    assert main(["plan", "--model", "qwen3-8b", "--gpu-memory-limit", "12GiB", "--kv-dtype", "k8v4",
+                 "--offload-layers", "0"]) == 2
+    capsys.readouterr()
+    assert main(["plan", "--model", "qwen3-8b", "--gpu-memory-limit", "12GiB", "--kv-dtype", "k8v4"]) == 0
+    assert "weights streamed from host RAM" in capsys.readouterr().out
 
 
 def test_serve_refuses_before_loading(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
@@ -60,7 +66,8 @@ def test_serve_refuses_before_loading(monkeypatch: pytest.MonkeyPatch, capsys: p
         raise AssertionError("serve loaded the model before checking the plan")
 
     monkeypatch.setattr(build, "build_engine", no_load)
-    assert main(["serve", "--model", "qwen3-8b", "--gpu-memory-limit", "12GiB", "--kv-dtype", "k8v4"]) == 2
+    assert main(["serve", "--model", "qwen3-8b", "--gpu-memory-limit", "12GiB", "--kv-dtype", "k8v4",
+                 "--offload-layers", "0"]) == 2
     err = capsys.readouterr().err
     assert "does not fit" in err and "--gpu-memory-limit" in err
 
@@ -89,3 +96,26 @@ def test_plan_counts_a_gguf_as_stored(smollm2_path):
     assert abs(plan.weight_bytes - held) <= 0.01 * held and plan.weight_format == "as stored in the GGUF"
     dense = plan_for_args(str(smollm2_path), "bf16", 4096, None, 0, weights="bf16")
     assert dense.weight_bytes > 2.5 * plan.weight_bytes and dense.weight_format == "bf16"
+
+
+def test_a_32b_4bit_shape_with_256k_fits_12gib_by_streaming_layers() -> None:
+    """Issue 11's target: a 27B/32B-class 4-bit model, a 256K k8v4 context, a 12 GiB GPU. The
+    weights (19 GiB) cannot all stay: the plan streams the fewest layers that leave the KV floor,
+    the rest of the context goes to the host tier, and serve's config takes the plan's count."""
+    spec = spec_for("qwen3-32b-int4")
+    whole = make_plan(spec, "k8v4", 262144, None, None, held=plan_mod.held_weight_bytes("qwen3-32b-int4", spec))
+    p = plan_mod.plan_for_args("qwen3-32b-int4", "k8v4", 262144, "12GiB", 0)
+    assert p.fits, p.problems
+    assert 0 < p.offload_layers < spec.num_layers and p.gpu_total_bytes <= 12 * GIB
+    per_layer = p.offload_bytes / p.offload_layers
+    # GPU: everything but the streamed layers, plus one staging layer (with its margin)
+    assert abs(p.weight_bytes - (whole.weight_bytes - p.offload_bytes + plan_mod.STAGING_MARGIN * per_layer)) < MIB
+    assert p.gpu_kv_tokens >= plan_mod.OFFLOAD_MIN_GPU_KV_TOKENS and p.gpu_kv_tokens + p.host_kv_tokens >= 262143
+    # one layer fewer streamed would not fit the limit with that KV floor
+    tighter = make_plan(spec, "k8v4", 262144, 12 * GIB, None, held=plan_mod.held_weight_bytes("qwen3-32b-int4", spec),
+                        offload_layers=p.offload_layers - 1)
+    assert tighter.gpu_kv_tokens < plan_mod.OFFLOAD_MIN_GPU_KV_TOKENS
+    cfg = checked_engine_config(EngineConfig(device="cpu", max_model_len=262144, cache=CacheConfig(kv_dtype="k8v4")),
+                                "qwen3-32b-int4", "12GiB")
+    assert cfg.offload_layers == p.offload_layers
+    assert make_plan(spec, "k8v4", 4096, 80 * GIB, None).offload_layers == 0  # it fits: nothing streamed
