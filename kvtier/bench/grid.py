@@ -92,7 +92,7 @@ def run_grid(a: argparse.Namespace, config: EngineConfig) -> int:
         raise ValueError("the grid bench runs on a random-weight --shape")
     base = resolve_device(config)
     dev, dt = torch.device(base.device), DTYPES[base.dtype]
-    hf, net = random_model(a.shape, dt, dev)
+    hf, net = random_model(a.shape, dt, dev, base.offload_layers or 0)
     net = prepare_model(net, base)
     spec = net.spec
     bw = measure_bandwidth(dev)

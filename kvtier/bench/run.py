@@ -208,7 +208,7 @@ def _build(a: argparse.Namespace, config: EngineConfig):
 
         cfg = resolve_device(config)
         dev, dt = torch.device(cfg.device), DTYPES[cfg.dtype]
-        hf, net = random_model(a.shape, dt, dev)  # hf None for a 4-bit shape
+        hf, net = random_model(a.shape, dt, dev, cfg.offload_layers or 0)  # hf None for a 4-bit shape
         net = prepare_model(net, cfg)
         engine = Engine(net, None, cfg, model_name=f"random-{a.shape}")
         ids = synthetic_ids(a.prompt_tokens, net.spec.vocab_size, 31)

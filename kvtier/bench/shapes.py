@@ -6,6 +6,8 @@ compared on identical work (and their greedy tokens can be checked equal).
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from kvtier.layers.qweight import INT4_LEVELS, SCALE_DTYPE, QuantWeight
@@ -48,25 +50,29 @@ def kvtier_from_hf(hf_model, dtype: torch.dtype, device: torch.device):
     return Decoder.from_tensors(spec, tensors, dtype=dtype, device=device)
 
 
-def random_quant_decoder(name: str, dtype: torch.dtype, device: torch.device, seed: int = 0):
+def random_quant_decoder(name: str, dtype: torch.dtype, device: torch.device, seed: int = 0,
+                         offload_layers: int = 0):
     """A kvtier Decoder of a QUANT_SHAPES shape whose matrices are random QuantWeights made on `device`
-    (codes uniform, scales giving weights of std ~INIT_STD); norms 1, biases 0. No HF model."""
+    (codes uniform, scales giving weights of std ~INIT_STD); norms 1, biases 0. No HF model.
+    Each tensor is made as the build asks for it (its own seed: the same weights whatever the
+    order), so with offload_layers the device never holds the streamed layers all at once."""
     from kvtier.models.decoder import Decoder
+    from kvtier.models.loading.base import LazyTensors
     from kvtier.models.loading.safetensors import spec_from_config
-    from kvtier.models.registry import expected_shapes, optional_shapes
+    from kvtier.models.registry import expected_shapes
 
     base, bits, group = QUANT_SHAPES[name]
     spec = spec_from_config(dict(SHAPES[base]), f"<shape {name}>")
-    g = torch.Generator(device=device).manual_seed(seed)
     # uniform codes 0..15 have std ~4.6 levels: the step that gives weights of std INIT_STD
     step = INIT_STD / 4.6 if bits == 4 else INIT_STD / 73.0
-    tensors: dict[str, torch.Tensor | QuantWeight] = {}
-    for n, shape in (expected_shapes(spec) | optional_shapes(spec)).items():
-        if n not in expected_shapes(spec):
-            continue
+    shapes = expected_shapes(spec)
+    index = {n: i for i, n in enumerate(shapes)}
+
+    def make(n: str) -> torch.Tensor | QuantWeight:
+        shape = shapes[n]
         if len(shape) == 1:
-            tensors[n] = (torch.ones if "norm" in n else torch.zeros)(shape, dtype=dtype, device=device)
-            continue
+            return (torch.ones if "norm" in n else torch.zeros)(shape, dtype=dtype, device=device)
+        g = torch.Generator(device=device).manual_seed(seed * 100_003 + index[n])
         rows, cols = shape
         if bits == 4:
             q = torch.randint(0, 256, (rows, cols // 2), dtype=torch.uint8, device=device, generator=g)
@@ -75,14 +81,19 @@ def random_quant_decoder(name: str, dtype: torch.dtype, device: torch.device, se
             q = torch.randint(-127, 128, (rows, cols), dtype=torch.int8, device=device, generator=g)
             mins = None
         scales = torch.full((rows, cols // group), step, dtype=SCALE_DTYPE, device=device)
-        tensors[n] = QuantWeight(bits, group, q, scales, mins)
-    return Decoder.from_tensors(spec, tensors, dtype=dtype, device=device, consume=True)
+        return QuantWeight(bits, group, q, scales, mins)
+
+    nbytes = {n: math.prod(s) for n, s in shapes.items()}  # read-ahead bound: about a tensor or two ahead
+    tensors = LazyTensors(dict(shapes), nbytes, make, threads=1)
+    return Decoder.from_tensors(spec, tensors, dtype=dtype, device=device, consume=True,
+                                offload_layers=offload_layers)
 
 
-def random_model(name: str, dtype: torch.dtype, device: torch.device):
+def random_model(name: str, dtype: torch.dtype, device: torch.device, offload_layers: int = 0):
     """(HF model or None, kvtier Decoder) of a named shape: QUANT_SHAPES as random QuantWeights
-    (no HF reference), the others from one random HF model."""
+    (no HF reference; offload_layers streamed as they are built), the others from one random HF
+    model (built whole: prepare_model streams their layers afterwards)."""
     if name in QUANT_SHAPES:
-        return None, random_quant_decoder(name, dtype, device)
+        return None, random_quant_decoder(name, dtype, device, offload_layers=offload_layers)
     hf = random_hf_model(name, dtype, device)
     return hf, kvtier_from_hf(hf, dtype, device)
