@@ -18,6 +18,7 @@ layers' bytes in host RAM.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -39,10 +40,7 @@ class _Slot:
 
     @property
     def nbytes(self) -> int:
-        n = 1
-        for s in self.shape:
-            n *= s
-        return n * torch.empty(0, dtype=self.dtype).element_size()
+        return math.prod(self.shape) * self.dtype.itemsize
 
 
 def _view(flat: torch.Tensor, s: _Slot) -> torch.Tensor:
