@@ -42,9 +42,9 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
                         "top-k pages per KV head (0: dense)")
     p.add_argument("--kvmem-sink", type=int, default=DEFAULT_SINK, help="first tokens always attended")
     p.add_argument("--kvmem-window", type=int, default=DEFAULT_WINDOW, help="last tokens always attended")
-    p.add_argument("--kvmem-selector", default="quest", choices=SELECTORS,
-                   help="page scores: quest (per-channel min/max bound) | quest-max | meankey (baseline) | "
-                        "centroid (per kv head mean key) | hybrid (half quest, half centroid)")
+    p.add_argument("--kvmem-selector", default=RetrievalConfig.selector, choices=SELECTORS,
+                   help="page scores: hybrid (default: half quest, half centroid) | quest (per-channel min/max "
+                        "bound) | quest-max | meankey (baseline) | centroid (per kv head mean key)")
     p.add_argument("--cuda-graphs", default="auto", choices=("auto", "on", "off"),
                    help="capture decode steps as CUDA graphs (auto: on CUDA with the triton backend)")
     p.add_argument("--overlap", default="auto", choices=("auto", "on", "off"),

@@ -51,12 +51,15 @@ DEFAULT_WINDOW = 128
 class RetrievalConfig:
     """budget: tokens a decode row may attend to (0: off, always dense); sink: the first tokens
     always kept (>= 1: position 0 is the attention sink and its page heads every selection);
-    window: the last tokens always kept; selector: one of SELECTORS."""
+    window: the last tokens always kept; selector: one of SELECTORS (hybrid: half the picks by
+    the Quest bound, half by per-head centroid; it recalled as well as dense or better with the
+    1.5B at 8K / 16K, had the lowest natural-text KL and alone found every planted needle:
+    docs/benchmarks.md)."""
 
     budget: int = 0
     sink: int = DEFAULT_SINK
     window: int = DEFAULT_WINDOW
-    selector: str = "quest"
+    selector: str = "hybrid"
 
     def __post_init__(self) -> None:
         if self.budget < 0:
