@@ -316,8 +316,13 @@ def checked_engine_config(config: EngineConfig, model: str, gpu_memory_limit: st
     if gpu_memory_limit is None:
         return config
     cc = config.cache
+    import torch
+
+    # on the CPU every weight is in host RAM already: nothing to stream (the plan refuses instead)
+    on_cpu = config.device == "cpu" or (config.device == "auto" and not torch.cuda.is_available())
     plan = plan_for_args(model, cc.kv_dtype, config.max_model_len, gpu_memory_limit, cc.host_kv_mib,
-                         prefill_chunk_for("cuda", config.prefill_chunk), config.weights, config.offload_layers)
+                         prefill_chunk_for("cuda", config.prefill_chunk), config.weights,
+                         0 if on_cpu else config.offload_layers)
     problems = list(plan.problems)
     room = (plan.gpu_limit or 0) - plan.weight_bytes - plan.scratch_bytes - plan.reserve_bytes
     if cc.gpu_kv_mib is not None and cc.gpu_kv_mib * MIB > room:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 import kvtier.engine.plan as plan_mod
@@ -79,7 +81,6 @@ def test_fitting_plan_sizes_the_pools() -> None:
     assert got.cache.gpu_kv_mib == p.gpu_kv_bytes // MIB and got.cache.host_kv_mib * MIB >= p.host_kv_bytes
     assert checked_engine_config(cfg, "qwen3-8b", None) is cfg
     with pytest.raises(ValueError, match="--gpu-kv-mib"):
-        from dataclasses import replace
         checked_engine_config(replace(cfg, cache=replace(cfg.cache, gpu_kv_mib=20_000)), "qwen3-8b", "24GiB")
 
 
@@ -115,7 +116,8 @@ def test_a_32b_4bit_shape_with_256k_fits_12gib_by_streaming_layers() -> None:
     tighter = make_plan(spec, "k8v4", 262144, 12 * GIB, None, held=plan_mod.held_weight_bytes("qwen3-32b-int4", spec),
                         offload_layers=p.offload_layers - 1)
     assert tighter.gpu_kv_tokens < plan_mod.OFFLOAD_MIN_GPU_KV_TOKENS
-    cfg = checked_engine_config(EngineConfig(device="cpu", max_model_len=262144, cache=CacheConfig(kv_dtype="k8v4")),
-                                "qwen3-32b-int4", "12GiB")
-    assert cfg.offload_layers == p.offload_layers
+    cfg = EngineConfig(device="cuda", max_model_len=262144, cache=CacheConfig(kv_dtype="k8v4"))
+    assert checked_engine_config(cfg, "qwen3-32b-int4", "12GiB").offload_layers == p.offload_layers
+    with pytest.raises(ValueError, match="raise --gpu-memory-limit"):  # on the CPU nothing is streamed
+        checked_engine_config(replace(cfg, device="cpu"), "qwen3-32b-int4", "12GiB")
     assert make_plan(spec, "k8v4", 4096, 80 * GIB, None).offload_layers == 0  # it fits: nothing streamed
