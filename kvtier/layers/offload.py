@@ -111,6 +111,3 @@ class LayerOffload:
     def host_bytes(self) -> int:
         """Host RAM the streamed layers hold (each step copies all of it to the device)."""
         return sum(f.numel() for f in self.host.values())
-
-    def staging_bytes(self) -> int:
-        return 0 if self.staging is None else self.staging.numel()

@@ -85,6 +85,13 @@ def check_tensors(spec: ModelSpec, tensors: Mapping[str, Weight]) -> None:
         raise ValueError(f"checkpoint does not match the {arch} model spec: " + "; ".join(problems))
 
 
+def _checked_offload(spec: ModelSpec, n: int) -> int:
+    """n, when it is a number of the model's layers that can be streamed (0..num_layers)."""
+    if not 0 <= n <= spec.num_layers:
+        raise ValueError(f"offload_layers must be in 0..{spec.num_layers}, got {n}")
+    return n
+
+
 class _Placing:
     """Decoder.from_tensors(consume=True): the tensors popped one at a time, each placed on the
     model's device and dtype as it is popped (nothing read or cast ahead of its layer)."""
@@ -189,9 +196,7 @@ class Decoder(torch.nn.Module):
         self.spec = spec
         self.dtype = dtype
         self.offload: LayerOffload | None = None
-        if not 0 <= offload_layers <= spec.num_layers:
-            raise ValueError(f"offload_layers must be in 0..{spec.num_layers}, got {offload_layers}")
-        first_streamed = spec.num_layers - offload_layers
+        first_streamed = spec.num_layers - _checked_offload(spec, offload_layers)
         self.residual_dtype = residual_dtype_for(torch.device(device), dtype)
         self.scratch = Scratch()  # dequantized weights for CPU GEMMs, one buffer for all layers
         embed = tensors.pop("model.embed_tokens.weight")
@@ -255,9 +260,7 @@ class Decoder(torch.nn.Module):
         the device; Decoder(offload_layers=n) instead never holds them there together)."""
         if self.offload is not None:
             raise RuntimeError("this Decoder already offloads layers")
-        if not 0 <= n <= self.spec.num_layers:
-            raise ValueError(f"offload_layers must be in 0..{self.spec.num_layers}, got {n}")
-        if n == 0:
+        if _checked_offload(self.spec, n) == 0:
             return
         self.offload = LayerOffload(next(self.norm.parameters()).device)
         for i in range(self.spec.num_layers - n, self.spec.num_layers):
