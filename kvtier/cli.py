@@ -298,18 +298,29 @@ def cmd_bench(a: argparse.Namespace) -> int:
     if a.swap_pages:
         from kvtier.bench.swap import run_swap_bench
         return run_swap_bench(a.swap_pages, a.page_size, a.out)
+    config = _engine_config(a)
+    if a.gpu_memory_limit:  # as serve: the plan's pool sizes and streamed layers, the process capped
+        from dataclasses import replace
+
+        from kvtier.engine.plan import checked_engine_config
+        longest = max([int(c) for c in (a.contexts or "").split(",") if c.strip()]
+                      + [a.prompt_tokens, a.cached_tokens + a.new_tokens]) + a.gen_tokens
+        kv = a.kv_dtypes.split(",")[0] if a.contexts else config.cache.kv_dtype  # the grid: its first format
+        config = replace(config, max_model_len=config.max_model_len or longest,
+                         cache=replace(config.cache, kv_dtype=kv))
+        config = checked_engine_config(config, a.shape or a.model, a.gpu_memory_limit)
     if a.contexts:
         from kvtier.bench.grid import run_grid
-        return run_grid(a, _engine_config(a))
+        return run_grid(a, config)
     from kvtier.bench.run import run_bench
-    return run_bench(a, _engine_config(a))
+    return run_bench(a, config)
 
 
 def cmd_plan(a: argparse.Namespace) -> int:
     from kvtier.engine.plan import plan_for_args, render
 
     plan = plan_for_args(a.model, a.kv_dtype, a.context, a.gpu_memory_limit, a.host_kv_mib,
-                         offload_layers=a.offload_layers)
+                         offload_layers=a.offload_layers, retrieval=a.kvmem_budget > 0)
     print_tables(render(plan))
     for n in plan.notes:
         console.print(f"[yellow]note:[/] {n}")
@@ -376,6 +387,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "(GGUF models), beside --serve")
     p.add_argument("--out", default=None, help="append a markdown table here")
     p.add_argument("--shape", default=None, help="random weights of a real shape (kvtier.bench.shapes)")
+    p.add_argument("--gpu-memory-limit", default=None,
+                   help="as serve's: size the pools from the plan, stream the layers it needs, and cap "
+                        "the process's GPU memory there (peak GPU memory is reported)")
     p.add_argument("--cached-tokens", type=int, default=0, help="prefix-cache TTFT: cached history length")
     p.add_argument("--new-tokens", type=int, default=50, help="prefix-cache TTFT: new tokens after it")
     p.add_argument("--swap-pages", type=int, default=0, help="host->GPU swap bandwidth over N pages")
@@ -396,6 +410,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host-kv-mib", type=int, default=0)
     p.add_argument("--offload-layers", type=int, default=None,
                    help="layers streamed from host RAM (default: the fewest --gpu-memory-limit needs)")
+    p.add_argument("--kvmem-budget", type=int, default=0,
+                   help="retrieval attention on (as serve's flag): count its page summaries on the GPU")
     p.set_defaults(fn=cmd_plan)
     p = sub.add_parser("eval", help="quality evaluations (recall: dense vs retrieval attention)")
     from kvtier.eval import recall_cli  # torch-free: the evaluation itself is imported when it runs

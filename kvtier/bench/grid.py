@@ -40,17 +40,31 @@ class GridRow:
     ttft_s: float
     prefill_tok_s: float
     decode_tok_s: float  # aggregate over the batch
-    step_bytes: float  # bytes one decode step reads (weights + KV at the mean context)
+    step_bytes: float  # bytes one decode step reads from device memory (weights + KV at the mean context)
     bandwidth: float
+    bus_s: float = 0.0  # seconds a step's streamed layers take over the host bus at its measured speed
 
     @property
     def bw_pct(self) -> float:
         steps_per_s = self.decode_tok_s / self.batch
-        return 100 * steps_per_s * self.step_bytes / self.bandwidth
+        return 100 * steps_per_s * (self.step_bytes / self.bandwidth + self.bus_s)
 
 
 def _csv(text: str, cast=str) -> list:
     return [cast(x) for x in text.split(",") if x.strip()]
+
+
+def measure_bus(dev: torch.device, mib: int = 512) -> float:
+    """Host-to-device bytes/s from pinned memory (what a streamed layer's copy gets)."""
+    src = torch.empty(mib << 20, dtype=torch.uint8).pin_memory()
+    dst = torch.empty(mib << 20, dtype=torch.uint8, device=dev)
+    dst.copy_(src, non_blocking=True)
+    torch.cuda.synchronize(dev)
+    t0 = time.perf_counter()
+    for _ in range(4):
+        dst.copy_(src, non_blocking=True)
+    torch.cuda.synchronize(dev)
+    return 4 * (mib << 20) / (time.perf_counter() - t0)
 
 
 def run_batch(engine, prompts: list[list[int]], gen: int) -> tuple[float, float, int]:
@@ -97,8 +111,16 @@ def run_grid(a: argparse.Namespace, config: EngineConfig) -> int:
     spec = net.spec
     bw = measure_bandwidth(dev)
     wbytes = net.decode_weight_bytes()
+    streamed, bus_s = 0, 0.0
+    if getattr(net, "offload", None) is not None and dev.type == "cuda":
+        streamed = net.offload.host_bytes()  # crosses the bus each step instead of read from device memory
+        bus = measure_bus(dev)
+        bus_s = streamed / bus
+        console.print(f"[dim]{len(net.offload.layers)} layers streamed: {streamed / 1e9:.2f} GB a step over "
+                      f"the bus at {bus / 1e9:.1f} GB/s ({bus_s * 1e3:.1f} ms)[/]")
     contexts, batches = _csv(a.contexts, int), _csv(a.batches, int)
     rows: list[GridRow] = []
+    peak = 0
     for i, kv in enumerate(_csv(a.kv_dtypes)):
         need = max(c + a.gen_tokens for c in contexts)
         cfg = replace(base, cache=replace(base.cache, kv_dtype=kv),
@@ -122,7 +144,7 @@ def run_grid(a: argparse.Namespace, config: EngineConfig) -> int:
                 ttft, dec_s, n = run_batch(engine, prompts, a.gen_tokens)
                 mean_ctx = ctx + a.gen_tokens / 2
                 rows.append(GridRow("kvtier", kv, ctx, b, ttft, b * ctx / ttft, (n - b) / dec_s,
-                                    wbytes + b * mean_ctx * kvpt, bw))
+                                    wbytes - streamed + b * mean_ctx * kvpt, bw, bus_s))
                 console.print(_fmt(rows[-1]))
                 if i == 0 and b == 1 and not a.no_hf and hf is not None:
                     r = bench_hf_model(hf, prompts[0], a.gen_tokens, dev, bw)
@@ -131,10 +153,13 @@ def run_grid(a: argparse.Namespace, config: EngineConfig) -> int:
                     rows.append(GridRow("hf-transformers", "bf16", ctx, 1, r.ttft_s, r.prefill_tok_s,
                                         r.decode_tok_s, hf_bytes, bw))
                     console.print(_fmt(rows[-1]))
+        if dev.type == "cuda":
+            peak = max(peak, torch.cuda.max_memory_reserved(dev))
+            console.print(f"[dim]{kv}: peak GPU memory {peak / 2**30:.2f} GiB (torch's allocator)[/]")
         del engine
         gc.collect()
         torch.cuda.empty_cache() if dev.type == "cuda" else None
-    _report(console, a, rows, bw, wbytes)
+    _report(console, a, rows, bw, wbytes, peak, net)
     return 0
 
 
@@ -144,10 +169,18 @@ def _fmt(r: GridRow) -> str:
             f"{r.bw_pct:4.0f}% of bound")
 
 
-def _report(console: Console, a: argparse.Namespace, rows: list[GridRow], bw: float, wbytes: int) -> None:
+def _report(console: Console, a: argparse.Namespace, rows: list[GridRow], bw: float, wbytes: int,
+            peak: int = 0, net=None) -> None:
     dev = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     title = (f"random-{a.shape} on {dev}; weights read per step {wbytes / 1e9:.2f} GB; "
              f"bandwidth {bw / 1e9:.0f} GB/s")
+    off = getattr(net, "offload", None)
+    if off is not None:
+        title += f"; {len(off.layers)} layers streamed from host RAM ({off.host_bytes() / 1e9:.2f} GB a step)"
+    if peak:
+        title += f"; peak GPU memory {peak / 2**30:.2f} GiB"
+        if getattr(a, "gpu_memory_limit", None):
+            title += f" (--gpu-memory-limit {a.gpu_memory_limit})"
     table = Table(title=title)
     cols = ("engine", "KV", "context", "batch", "TTFT ms", "prefill tok/s", "decode tok/s", "% of bound")
     for c in cols:
