@@ -1,9 +1,13 @@
 """Memory plan: what a model + context + KV format needs, checked before anything loads.
 
     GPU limit = weights + scratch (activations of one prefill chunk) + runtime reserve
-                + GPU KV pool
+                + GPU KV pool (+ retrieval's page summaries)
     context KV = context tokens x KV bytes/token; what the GPU pool cannot hold
                  must fit the pinned host tier.
+
+With retrieval attention (--kvmem-budget) every page of both tiers has key summaries on the GPU
+(kv/summaries.py): a host-tier token costs GPU memory too, so a longer context leaves fewer
+tokens for the GPU pool.
 """
 
 from __future__ import annotations
@@ -54,6 +58,8 @@ class MemoryPlan:
     # then what the GPU holds: the resident weights and that buffer.
     offload_layers: int = 0
     offload_bytes: int = 0
+    # Retrieval (--kvmem-budget): page summaries of both tiers' pages, kept on the GPU.
+    summary_bytes: int = 0
 
     @property
     def fits(self) -> bool:
@@ -66,7 +72,7 @@ class MemoryPlan:
     @property
     def gpu_total_bytes(self) -> int:
         """Everything kvtier allocates on the GPU under this plan."""
-        return self.weight_bytes + self.scratch_bytes + self.reserve_bytes + self.gpu_kv_bytes
+        return self.weight_bytes + self.scratch_bytes + self.reserve_bytes + self.gpu_kv_bytes + self.summary_bytes
 
     @property
     def gpu_kv_tokens(self) -> int:
@@ -179,19 +185,23 @@ def held_weight_bytes(model: str, spec: ModelSpec) -> tuple[int, str] | None:
 def make_plan(spec: ModelSpec, kv_format: str, context: int | None, gpu_limit: int | None,
               host_kv_bytes: int | None, weight_dtype: str = "bf16",
               prefill_chunk: int = CUDA_PREFILL_CHUNK, held: tuple[int, str] | None = None,
-              offload_layers: int | None = None) -> MemoryPlan:
+              offload_layers: int | None = None, retrieval: bool = False) -> MemoryPlan:
     """held: (bytes, format) of quantized weights (held_weight_bytes); None: dense in weight_dtype.
     offload_layers: layers streamed from host RAM (None: the fewest that let the weights and
-    OFFLOAD_MIN_GPU_KV_TOKENS of KV fit gpu_limit; 0 without a limit)."""
+    OFFLOAD_MIN_GPU_KV_TOKENS of KV fit gpu_limit; 0 without a limit). retrieval: count the page
+    summaries of both tiers on the GPU."""
     from kvtier.kv.formats import make_format
 
     import torch
 
     from kvtier.kv.pool import kv_bytes_per_token
+    from kvtier.kv.summaries import summary_bytes_per_token, summary_dtype
 
     fmt = make_format(kv_format)
     compute = torch.float32 if weight_dtype == "fp32" else torch.bfloat16
     kvpt = kv_bytes_per_token(fmt, spec.num_kv_heads, spec.head_dim, DEFAULT_PAGE_SIZE, compute) * spec.num_layers
+    spt = summary_bytes_per_token(spec.num_kv_heads, spec.head_dim, DEFAULT_PAGE_SIZE, spec.num_layers,
+                                  summary_dtype("cuda", compute)) if retrieval else 0.0
     weights = held[0] if held is not None else param_count(spec) * WEIGHT_BYTES[weight_dtype]
     scratch = prefill_chunk * spec.hidden_size * ACTIVATION_FACTOR * WEIGHT_BYTES[weight_dtype]
     scratch += prefill_chunk * spec.vocab_size * 4 // 8  # logits of a few rows at most, fp32
@@ -202,19 +212,29 @@ def make_plan(spec: ModelSpec, kv_format: str, context: int | None, gpu_limit: i
     need_kv = int(context * kvpt)
     problems: list[str] = []
     offload, offload_bytes = 0, 0
+    host_fixed = None if host_kv_bytes is None else host_kv_bytes / kvpt  # host tier tokens, if given
+    summaries_needed = spt * (context if host_fixed is None else host_fixed)  # at least (host pages)
     if offload_layers or (offload_layers is None and gpu_limit is not None):
-        kv_floor = min(need_kv, int(OFFLOAD_MIN_GPU_KV_TOKENS * kvpt))
+        kv_floor = min(need_kv, int(OFFLOAD_MIN_GPU_KV_TOKENS * kvpt)) + int(summaries_needed)
         room = (gpu_limit or 0) - scratch - reserve - kv_floor
         offload, offload_bytes, weights = offload_split(spec, weights, room, offload_layers or None)
     if gpu_limit is None:
         gpu_kv = need_kv
     else:
-        gpu_kv = gpu_limit - weights - scratch - reserve
+        room = gpu_limit - weights - scratch - reserve
+        if not spt:
+            gpu_kv = room
+        elif host_fixed is not None:  # GPU tokens cost KV + summaries; the host tier's its summaries
+            gpu_kv = (room - host_fixed * spt) / (kvpt + spt) * kvpt
+        else:  # the host tier takes what the pool cannot: every context token has its summary
+            t = room / (kvpt + spt)
+            gpu_kv = t * kvpt if t >= context else (room - context * spt)
         min_kv = int(MIN_GPU_PAGES * DEFAULT_PAGE_SIZE * kvpt)
         if gpu_kv < min_kv:
+            summ = f" + retrieval's page summaries {(room - max(gpu_kv, 0)) / GIB:.2f} GiB" if spt else ""
             problems.append(
                 f"weights {weights / GIB:.2f} GiB + scratch {scratch / MIB:.0f} MiB + runtime and graphs "
-                f"{reserve / MIB:.0f} MiB leave {max(gpu_kv, 0) / MIB:.0f} MiB of the "
+                f"{reserve / MIB:.0f} MiB{summ} leave {max(gpu_kv, 0) / MIB:.0f} MiB of the "
                 f"{gpu_limit / GIB:.2f} GiB limit for KV (need >= {min_kv / MIB:.0f} MiB, "
                 f"{MIN_GPU_PAGES} pages): raise --gpu-memory-limit to at least "
                 f"{math.ceil((weights + scratch + reserve + min_kv) / MIB)} MiB, or use a smaller model"
@@ -223,6 +243,7 @@ def make_plan(spec: ModelSpec, kv_format: str, context: int | None, gpu_limit: i
         gpu_kv = min(gpu_kv, need_kv)
     host_need = max(0, need_kv - gpu_kv)
     host = host_need if host_kv_bytes is None else host_kv_bytes
+    summary_bytes = int((int(gpu_kv) + host) / kvpt * spt)
     avail = host_ram_available()
     if host_kv_bytes is not None and host_kv_bytes < host_need:
         problems.append(
@@ -243,7 +264,7 @@ def make_plan(spec: ModelSpec, kv_format: str, context: int | None, gpu_limit: i
                      f"{offload_bytes / GIB:.2f} GiB over the bus every decode step")
     return MemoryPlan(spec, weights, scratch, CUDA_RUNTIME_RESERVE, CUDA_GRAPH_RESERVE, kvpt, kv_format,
                       gpu_limit, context, int(gpu_kv), int(host), avail, tuple(problems), tuple(notes),
-                      held[1] if held is not None else weight_dtype, offload, offload_bytes)
+                      held[1] if held is not None else weight_dtype, offload, offload_bytes, summary_bytes)
 
 
 def render(plan: MemoryPlan) -> Table:
@@ -261,6 +282,9 @@ def render(plan: MemoryPlan) -> Table:
     t.add_row("CUDA runtime", f"{plan.runtime_bytes / MIB:.0f} MiB", "")
     t.add_row("CUDA graphs", f"{plan.graph_bytes / MIB:.0f} MiB", "")
     t.add_row("GPU KV pool", f"{plan.gpu_kv_bytes / GIB:.2f} GiB", f"{plan.gpu_kv_tokens}")
+    if plan.summary_bytes:
+        t.add_row("retrieval page summaries (both tiers, on the GPU)", f"{plan.summary_bytes / GIB:.2f} GiB",
+                  f"{plan.gpu_kv_tokens + plan.host_kv_tokens}")
     t.add_row("GPU total", f"{plan.gpu_total_bytes / GIB:.2f} GiB", "")
     if plan.gpu_limit is not None:
         t.add_row("GPU limit", f"{plan.gpu_limit / GIB:.2f} GiB", "")
@@ -288,10 +312,10 @@ RTN_WEIGHTS = {"int8": (8, False), "int4": (4, True)}
 
 def plan_for_args(model: str, kv_dtype: str, context: int | None, gpu_memory_limit: str | None,
                   host_kv_mib: int, prefill_chunk: int = CUDA_PREFILL_CHUNK, weights: str = "auto",
-                  offload_layers: int | None = None) -> MemoryPlan:
+                  offload_layers: int | None = None, retrieval: bool = False) -> MemoryPlan:
     """The plan `kvtier plan` prints and `kvtier serve` checks, from CLI values (no weights read).
     weights: `--weights` (auto: quantized files as stored, else bf16); offload_layers:
-    `--offload-layers` (None: as the limit needs)."""
+    `--offload-layers` (None: as the limit needs); retrieval: `--kvmem-budget` > 0."""
     limit = parse_size(gpu_memory_limit) if gpu_memory_limit else None
     host = host_kv_mib * MIB if host_kv_mib else None
     kv = kv_dtype if kv_dtype != "auto" else "bf16"
@@ -302,7 +326,7 @@ def plan_for_args(model: str, kv_dtype: str, context: int | None, gpu_memory_lim
     else:
         held = held_weight_bytes(model, spec) if weights == "auto" else None
     return make_plan(spec, kv, context, limit, host, prefill_chunk=prefill_chunk, held=held,
-                     offload_layers=offload_layers)
+                     offload_layers=offload_layers, retrieval=retrieval)
 
 
 def checked_engine_config(config: EngineConfig, model: str, gpu_memory_limit: str | None) -> EngineConfig:
@@ -322,7 +346,7 @@ def checked_engine_config(config: EngineConfig, model: str, gpu_memory_limit: st
     on_cpu = config.device == "cpu" or (config.device == "auto" and not torch.cuda.is_available())
     plan = plan_for_args(model, cc.kv_dtype, config.max_model_len, gpu_memory_limit, cc.host_kv_mib,
                          prefill_chunk_for("cuda", config.prefill_chunk), config.weights,
-                         0 if on_cpu else config.offload_layers)
+                         0 if on_cpu else config.offload_layers, retrieval=config.retrieval.budget > 0)
     problems = list(plan.problems)
     room = (plan.gpu_limit or 0) - plan.weight_bytes - plan.scratch_bytes - plan.reserve_bytes
     if cc.gpu_kv_mib is not None and cc.gpu_kv_mib * MIB > room:

@@ -180,17 +180,19 @@ if HAVE_TRITON:
         ids = tl.load(ids_ptr + r.to(tl.int64) * C + c, mask=cm, other=0).to(tl.int64)
         dev = cm & (ids >= 0)  # negative ids: host_ref(p) = -1 - p, in the host tier's summaries
         rows = (ids * Hkv + h)[:, None] * D + d[None, :]
-        kmin = tl.load(kmin_ptr + rows, mask=dev[:, None], other=0.0)  # [BLOCK_C, D]
+        kmin = tl.load(kmin_ptr + rows, mask=dev[:, None], other=0.0).to(tl.float32)  # [BLOCK_C, D]
         if not CENTROID:
-            kmax = tl.load(kmax_ptr + rows, mask=dev[:, None], other=0.0)
+            kmax = tl.load(kmax_ptr + rows, mask=dev[:, None], other=0.0).to(tl.float32)
         cnt = tl.load(cnt_ptr + ids, mask=dev, other=0)
         if HAS_HOST:
             hid = -1 - ids
             hm = cm & (ids < 0)
             hrows = (hid * Hkv + h)[:, None] * D + d[None, :]
-            kmin = tl.where(hm[:, None], tl.load(hmin_ptr + hrows, mask=hm[:, None], other=0.0), kmin)
+            kmin = tl.where(hm[:, None], tl.load(hmin_ptr + hrows, mask=hm[:, None], other=0.0).to(tl.float32),
+                            kmin)
             if not CENTROID:
-                kmax = tl.where(hm[:, None], tl.load(hmax_ptr + hrows, mask=hm[:, None], other=0.0), kmax)
+                kmax = tl.where(hm[:, None],
+                                tl.load(hmax_ptr + hrows, mask=hm[:, None], other=0.0).to(tl.float32), kmax)
             cnt = tl.where(hm, tl.load(hcnt_ptr + hid, mask=hm, other=0), cnt)
         q_row = q_ptr + (r * Hkv + h).to(tl.int64) * G * D
         if CENTROID:  # (sum_g q_g) . (ksum / count)
@@ -251,16 +253,20 @@ if HAVE_TRITON:
         d = tl.arange(0, D)
         x = tl.load(k_ptr + t.to(tl.int64) * stride_kt + h * D + d).to(tl.float32)
         row = (page * Hkv + h) * D + d
-        tl.store(kmin_ptr + row, tl.where(first, x, tl.minimum(tl.load(kmin_ptr + row), x)))
-        tl.store(kmax_ptr + row, tl.where(first, x, tl.maximum(tl.load(kmax_ptr + row), x)))
-        tl.store(ksum_ptr + row, tl.where(first, 0.0, tl.load(ksum_ptr + row)) + x)
+        # summaries in fp32 or (CUDA, 16-bit keys) the keys' dtype: math in fp32, the store rounds
+        kmin = tl.load(kmin_ptr + row).to(tl.float32)
+        kmax = tl.load(kmax_ptr + row).to(tl.float32)
+        ksum = tl.load(ksum_ptr + row).to(tl.float32)
+        tl.store(kmin_ptr + row, tl.where(first, x, tl.minimum(kmin, x)).to(kmin_ptr.dtype.element_ty))
+        tl.store(kmax_ptr + row, tl.where(first, x, tl.maximum(kmax, x)).to(kmax_ptr.dtype.element_ty))
+        tl.store(ksum_ptr + row, (tl.where(first, 0.0, ksum) + x).to(ksum_ptr.dtype.element_ty))
         if h == 0:
             tl.store(cnt_ptr + page, tl.where(first, 0, tl.load(cnt_ptr + page)) + 1)
 
 
-# (kmin [P, Hkv, D] fp32, kmax [P, Hkv, D] fp32, count [P] int32) of one layer of one tier
+# (kmin [P, Hkv, D], kmax [P, Hkv, D] (fp32 / bf16 / fp16), count [P] int32) of one layer of one tier
 SummaryRows = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
-# (ksum [P, Hkv, D] fp32, count [P] int32) of one layer of one tier
+# (ksum [P, Hkv, D] (fp32 / bf16 / fp16), count [P] int32) of one layer of one tier
 CentroidRows = tuple[torch.Tensor, torch.Tensor]
 
 
@@ -284,7 +290,7 @@ def centroid_scores(qg: torch.Tensor, dev: CentroidRows, cand_ids: torch.Tensor,
                     limit: torch.Tensor | None = None, cand_idx: torch.Tensor | None = None) -> torch.Tensor:
     """The `centroid` selector's scores, fused like quest_scores: per kv head, the group's summed
     query . each candidate page's mean key (its key sum / its row count). dev / host: one layer's
-    (ksum [P, Hkv, D] fp32, count [P] int32); the other arguments and the result as quest_scores."""
+    (ksum [P, Hkv, D], count [P] int32); the other arguments and the result as quest_scores."""
     return _launch_scores(qg, dev, cand_ids, host, limit, cand_idx, reduce_max=False, centroid=True)
 
 
@@ -328,7 +334,7 @@ def assemble_lists_reference(top: torch.Tensor, cand_idx: torch.Tensor, cand_ids
 
 def update_summaries(kmin: torch.Tensor, kmax: torch.Tensor, ksum: torch.Tensor, count: torch.Tensor,
                      slots: torch.Tensor, k: torch.Tensor, page_size: int) -> None:
-    """One layer's page summaries (kv/summaries.py: kmin / kmax / ksum [P, Hkv, D] fp32, count [P]
+    """One layer's page summaries (kv/summaries.py: kmin / kmax / ksum [P, Hkv, D] fp32 or 16-bit, count [P]
     int32) take new keys k [T, Hkv, D] at slots [T], for a step that writes at most one row a page
     (a decode step; padding rows sharing a scratch page leave that page's summaries undefined), in
     one launch; a row 0 starts its page over. PageSummaries.update's scatter path is the reference."""
@@ -382,6 +388,7 @@ def quest_scores_reference(qg: torch.Tensor, dev: SummaryRows, cand_ids: torch.T
                            host: SummaryRows | None = None) -> torch.Tensor:
     """quest_scores in PyTorch (same arguments), the bound written as in the kernel."""
     kmin, kmax, cnt = (_candidate_rows(dev, host, cand_ids, i) for i in range(3))  # [R, C, Hkv, D] x 2, [R, C]
+    kmin, kmax = kmin.float(), kmax.float()
     q = qg.float()[:, :, :, None, :]  # [R, Hkv, G, 1, D]
     bound = torch.maximum(q * kmin.permute(0, 2, 1, 3)[:, :, None], q * kmax.permute(0, 2, 1, 3)[:, :, None]).sum(-1)
     s = bound.amax(2) if reduce_max else bound.sum(2)  # [R, Hkv, C]
@@ -392,6 +399,6 @@ def centroid_scores_reference(qg: torch.Tensor, dev: CentroidRows, cand_ids: tor
                               host: CentroidRows | None = None) -> torch.Tensor:
     """centroid_scores in PyTorch (same arguments, no limit)."""
     ksum, cnt = (_candidate_rows(dev, host, cand_ids, i) for i in range(2))  # [R, C, Hkv, D], [R, C]
-    mean = ksum / cnt.clamp_min(1).float()[..., None, None]
+    mean = ksum.float() / cnt.clamp_min(1).float()[..., None, None]
     s = torch.einsum("rhd,rchd->rhc", qg.float().sum(2), mean)
     return s.masked_fill((cnt == 0)[:, None, :], float("inf"))

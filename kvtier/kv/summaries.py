@@ -3,24 +3,31 @@
 Per layer, per compute-pool page and per kv head the summaries hold, over the rows written into
 the page so far:
 
-    kmin, kmax  [L, P, Hkv, D] fp32   channel-wise min / max of the keys
+    kmin, kmax  [L, P, Hkv, D] dtype  channel-wise min / max of the keys
     ksum        [L, P, Hkv, D] fp32   their sum (mean key = ksum / count: the baseline selector)
     count       [L, P]         int32  rows written
+
+dtype (`summary_dtype`): on CUDA with 16-bit keys, the keys' own dtype; else fp32. A min or max of
+bf16 keys is one of those keys, so 16-bit kmin / kmax lose nothing. The sums stay fp32: in bf16
+every add rounds, so a page's sum would depend on the order of the adds (atomics in the scatter
+path, the kernel's fp32 add against a bf16 add), and two runs over the same keys would rank pages
+differently. This matters on a small GPU: the host tier's summaries live on the GPU too; all in
+fp32 a 256K Qwen3-8B context's took 7.2 GB (27.6 KB a token, half its k8v4 KV), now 4.8 GB.
 
 Keys are raw, as the model produced them (what `backend.forward(layer, q, k, v, meta)` receives,
 before any KV-format smoothing or rotation), so for every query q and key k of the page
 
     q . k  <=  sum_d max(q_d * kmin_d, q_d * kmax_d)       (the Quest bound)
 
-holds exactly (fp32 summaries of fp32/bf16/fp16 keys: min / max are exact copies of key values).
+holds exactly (min / max are exact copies of key values, in either dtype).
 
 Updates come from the same `slot_mapping` the pool is written with, all torch scatter ops (no
 Python loop over tokens), on the pool's device. A write of row 0 of a page resets that page's
 summaries first: pages are reused, and every occupant writes its page from row 0.
 
-Memory: (3 * kv_heads * head_dim * 4 + 4) bytes per page per layer (page_size does not enter):
-Qwen2.5-1.5B (2 kv heads x 128) 3,076 B a page-layer against 16 KiB of bf16 K/V for a 16-token
-page (19%); without the mean key (meankey selector unused) it would be 2/3 of that.
+Memory: ((2 * itemsize + 4) * kv_heads * head_dim + 4) bytes per page per layer (page_size does not
+enter; `summary_bytes_per_token` for the memory plan): Qwen2.5-1.5B (2 kv heads x 128) in fp32
+3,076 B a page-layer against 16 KiB of bf16 K/V for a 16-token page (19%).
 
 Pages moving between tiers take their summaries with them (`copy_rows`): a host tier has its own
 PageSummaries, kept on the compute device (the selection scores host pages without touching them),
@@ -34,11 +41,25 @@ from __future__ import annotations
 import torch
 
 
+def summary_dtype(device: torch.device | str, key_dtype: torch.dtype) -> torch.dtype:
+    """The summaries' dtype for keys of `key_dtype` on `device` (module docstring)."""
+    if torch.device(device).type == "cuda" and key_dtype in (torch.bfloat16, torch.float16):
+        return key_dtype
+    return torch.float32
+
+
+def summary_bytes_per_token(kv_heads: int, head_dim: int, page_size: int, num_layers: int,
+                            dtype: torch.dtype) -> float:
+    """Summary bytes per context token, all layers (the memory plan counts them on the GPU)."""
+    item = torch.empty((), dtype=dtype).element_size()
+    return num_layers * ((2 * item + 4) * kv_heads * head_dim + 4) / page_size
+
+
 class PageSummaries:
     """Channel-wise key min / max / sum and row counts of every page of one pool (module docstring)."""
 
     def __init__(self, num_layers: int, num_pages: int, kv_heads: int, head_dim: int, page_size: int,
-                 device: torch.device | str):
+                 device: torch.device | str, dtype: torch.dtype = torch.float32):
         for name, val in (("num_layers", num_layers), ("num_pages", num_pages), ("kv_heads", kv_heads),
                           ("head_dim", head_dim), ("page_size", page_size)):
             if val < 1:
@@ -47,20 +68,27 @@ class PageSummaries:
         self.head_dim, self.page_size = head_dim, page_size
         self.device = torch.device(device)
         shape = (num_layers, num_pages, kv_heads, head_dim)
-        self.kmin = torch.full(shape, float("inf"), dtype=torch.float32, device=self.device)
-        self.kmax = torch.full(shape, float("-inf"), dtype=torch.float32, device=self.device)
-        self.ksum = torch.zeros(shape, dtype=torch.float32, device=self.device)
+        self.kmin = torch.full(shape, float("inf"), dtype=dtype, device=self.device)
+        self.kmax = torch.full(shape, float("-inf"), dtype=dtype, device=self.device)
+        self.ksum = torch.zeros(shape, dtype=torch.float32, device=self.device)  # fp32 always (docstring)
         self.count = torch.zeros(num_layers, num_pages, dtype=torch.int32, device=self.device)
         self._step: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # (slots, pages, reset)
 
     @classmethod
     def for_pool(cls, pool: object) -> "PageSummaries":
-        """Summaries shaped for a PagePool (kv/pool.py), on its device."""
-        return cls(pool.num_layers, pool.num_pages, pool.kv_heads, pool.head_dim,  # type: ignore[attr-defined]
-                   pool.page_size, pool.device)  # type: ignore[attr-defined]
+        """Summaries shaped for a PagePool (kv/pool.py), on its device, in `summary_dtype`."""
+        return cls.like(pool, pool.num_pages, pool.device)  # type: ignore[attr-defined]
+
+    @classmethod
+    def like(cls, pool: object, num_pages: int, device: torch.device | str) -> "PageSummaries":
+        """Summaries of `num_pages` pages of `pool`'s geometry on `device` (a host tier's: on the
+        compute device)."""
+        p = pool
+        return cls(p.num_layers, num_pages, p.kv_heads, p.head_dim, p.page_size, device,  # type: ignore[attr-defined]
+                   summary_dtype(device, p.compute_dtype))  # type: ignore[attr-defined]
 
     def bytes_per_page_layer(self) -> int:
-        return 3 * self.kv_heads * self.head_dim * 4 + 4
+        return (2 * self.kmin.element_size() + 4) * self.kv_heads * self.head_dim + 4
 
     def update(self, layer: int, slots: torch.Tensor, k: torch.Tensor, one_row_per_page: bool = False) -> None:
         """Fold newly written rows into their pages' summaries.
@@ -86,8 +114,9 @@ class PageSummaries:
         count.index_copy_(0, pages, count.index_select(0, pages).masked_fill(reset, 0))
         flat = k.reshape(k.shape[0], -1).float()  # [T, Hkv * D]
         idx = pages[:, None].expand_as(flat)
-        kmin.view(self.num_pages, -1).scatter_reduce_(0, idx, flat, "amin", include_self=True)
-        kmax.view(self.num_pages, -1).scatter_reduce_(0, idx, flat, "amax", include_self=True)
+        low = flat.to(kmin.dtype)  # 16-bit summaries: the min of rounded keys is the rounded min
+        kmin.view(self.num_pages, -1).scatter_reduce_(0, idx, low, "amin", include_self=True)
+        kmax.view(self.num_pages, -1).scatter_reduce_(0, idx, low, "amax", include_self=True)
         ksum.view(self.num_pages, -1).index_add_(0, pages, flat)
         count.index_add_(0, pages, torch.ones_like(pages, dtype=torch.int32))
 
@@ -113,9 +142,9 @@ class PageSummaries:
         """
         valid = torch.arange(self.page_size, device=k.device)[None, :] < rows[:, None]  # [P, S]
         m = valid[:, None, :, None]
-        kf = k.float()
-        self.kmin[layer, page_ids] = kf.masked_fill(~m, float("inf")).amin(dim=2)
-        self.kmax[layer, page_ids] = kf.masked_fill(~m, float("-inf")).amax(dim=2)
+        kf, dt = k.float(), self.kmin.dtype
+        self.kmin[layer, page_ids] = kf.masked_fill(~m, float("inf")).amin(dim=2).to(dt)
+        self.kmax[layer, page_ids] = kf.masked_fill(~m, float("-inf")).amax(dim=2).to(dt)
         self.ksum[layer, page_ids] = kf.masked_fill(~m, 0.0).sum(dim=2)
         self.count[layer, page_ids] = rows.to(torch.int32)
 
@@ -126,10 +155,11 @@ class PageSummaries:
             raise ValueError("copy_rows between summaries of different geometry")
         si, di = src_ids.to(src.device), dst_ids.to(self.device)
         for name in ("kmin", "kmax", "ksum", "count"):
-            getattr(self, name)[:, di] = getattr(src, name)[:, si].to(self.device)
+            dst = getattr(self, name)
+            dst[:, di] = getattr(src, name)[:, si].to(self.device, dst.dtype)
 
     def mean(self, layer: int, page_ids: torch.Tensor) -> torch.Tensor:
         """Mean key of pages: page_ids [...] -> [..., Hkv, D] (zeros for empty pages)."""
-        s = self.ksum[layer][page_ids]
+        s = self.ksum[layer][page_ids].float()
         n = self.count[layer][page_ids].clamp_min(1).to(s.dtype)
         return s / n[..., None, None]

@@ -131,8 +131,7 @@ class RetrievalAttention:
             self.host_summaries = self.host_cache = None
             return
         st = self.store
-        self.host_summaries = PageSummaries(st.num_layers, host_store.num_pages, st.kv_heads,  # type: ignore[attr-defined]
-                                            st.head_dim, st.page_size, st.device)
+        self.host_summaries = PageSummaries.like(st, host_store.num_pages, st.device)  # type: ignore[attr-defined]
         self.host_cache = HostPageCache(st.num_layers, FETCH_CACHE_BUDGETS * self.budget_pages)
 
     @property
@@ -678,7 +677,7 @@ def page_scores(selector: str, qg: torch.Tensor, summaries: PageSummaries, layer
     rows = lambda name: summary_rows(summaries, host, name, layer, cand_ids)  # noqa: E731
     count = rows("count")  # [R, C]
     if selector in ("meankey", "centroid"):
-        mean = rows("ksum") / count.clamp_min(1).float()[..., None, None]  # [R, C, Hkv, D]
+        mean = rows("ksum").float() / count.clamp_min(1).float()[..., None, None]  # [R, C, Hkv, D]
         if selector == "meankey":
             s = torch.einsum("rhd,rchd->rc", qg.mean(2), mean)  # one list for all kv heads
             s = s[:, None, :].expand(r, hkv, -1)
@@ -687,7 +686,7 @@ def page_scores(selector: str, qg: torch.Tensor, summaries: PageSummaries, layer
     elif selector not in ("quest", "quest-max"):
         raise ValueError(f"page_scores: unknown selector {selector!r}")
     else:
-        kmin, kmax = rows("kmin"), rows("kmax")  # [R, C, Hkv, D]
+        kmin, kmax = rows("kmin").float(), rows("kmax").float()  # [R, C, Hkv, D]
         # max(q_d min_d, q_d max_d) = max(q_d, 0) max_d + min(q_d, 0) min_d
         bound = (torch.einsum("rhgd,rchd->rhgc", qg.clamp_min(0), kmax)
                  + torch.einsum("rhgd,rchd->rhgc", qg.clamp_max(0), kmin))  # [R, Hkv, g, C]

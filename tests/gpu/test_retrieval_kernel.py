@@ -134,10 +134,36 @@ _ispec.loader.exec_module(interp_cases)
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_selection_glue_kernels_match_references_cuda(seed: int) -> None:
     """assemble_lists and update_summaries (the fused selection's list and summary kernels) ==
-    their PyTorch references, on CUDA."""
+    their PyTorch references, on CUDA, summaries in fp32 and in bf16."""
     from kvtier.kernels import retrieval_attention as ra
     interp_cases.check_assemble(ra, seed=1100 + seed, device="cuda")
     interp_cases.check_update_summaries(ra, seed=1200 + seed, device="cuda")
+    interp_cases.check_update_summaries(ra, seed=1300 + seed, device="cuda", dtype=torch.bfloat16)
+
+
+def test_quest_scores_bf16_summaries_cuda() -> None:
+    """quest_scores / centroid_scores over bf16 summaries (and fp32) == their references, on CUDA."""
+    from kvtier.kernels import retrieval_attention as ra
+    for i, (hkv, g, d, with_host) in enumerate(interp_cases.SCORE_CASES):
+        interp_cases.check_quest_scores(_CudaRA(ra), hkv, g, d, with_host, seed=600 + i)
+
+
+class _CudaRA:
+    """The kernels module with the scorers run on CUDA (inputs moved there, results back)."""
+
+    def __init__(self, ra):
+        self.ra = ra
+
+    def __getattr__(self, name):
+        fn = getattr(self.ra, name)
+        if name not in ("quest_scores", "centroid_scores"):
+            return fn
+
+        def on_cuda(*args, **kw):
+            mv = lambda x: (x.cuda() if isinstance(x, torch.Tensor)  # noqa: E731
+                            else tuple(mv(t) for t in x) if isinstance(x, tuple) else x)
+            return fn(*(mv(a) for a in args), **{k: mv(v) for k, v in kw.items()}).cpu()
+        return on_cuda
 
 
 @pytest.mark.parametrize("with_host", [False, True])

@@ -121,3 +121,38 @@ def test_a_32b_4bit_shape_with_256k_fits_12gib_by_streaming_layers() -> None:
     with pytest.raises(ValueError, match="raise --gpu-memory-limit"):  # on the CPU nothing is streamed
         checked_engine_config(replace(cfg, device="cpu"), "qwen3-32b-int4", "12GiB")
     assert make_plan(spec, "k8v4", 4096, 80 * GIB, None).offload_layers == 0  # it fits: nothing streamed
+
+
+def test_retrieval_summaries_count_on_the_gpu() -> None:
+    """With retrieval every page of both tiers has key summaries on the GPU (bf16 min / max): the plan counts
+    them (a host-tier token costs GPU memory too), the pool shrinks to keep the total under the
+    limit, and issue 12's case (an 8B 4-bit shape, 256K of k8v4, 12 GiB) still fits."""
+    import torch
+
+    from kvtier.kv.summaries import summary_bytes_per_token
+
+    spec = spec_for("qwen3-8b-int4")
+    held = plan_mod.held_weight_bytes("qwen3-8b-int4", spec)
+    dense = make_plan(spec, "k8v4", 262144, 12 * GIB, None, held=held)
+    p = make_plan(spec, "k8v4", 262144, 12 * GIB, None, held=held, retrieval=True)
+    assert dense.summary_bytes == 0 and p.fits, p.problems
+    spt = summary_bytes_per_token(spec.num_kv_heads, spec.head_dim, 16, spec.num_layers, torch.bfloat16)
+    assert spt == spec.num_layers * ((2 * 2 + 4) * spec.num_kv_heads * spec.head_dim + 4) / 16  # bf16 min / max
+    assert abs(p.summary_bytes - (p.gpu_kv_tokens + p.host_kv_tokens) * spt) < MIB
+    assert p.gpu_kv_tokens + p.host_kv_tokens >= 262143 and p.gpu_total_bytes <= 12 * GIB
+    assert abs(p.gpu_kv_bytes - (dense.gpu_kv_bytes - 262144 * spt)) < MIB  # the pool gave the room up
+    # a short context: the pool is the context, its summaries beside it
+    short = make_plan(spec, "k8v4", 4096, 12 * GIB, None, held=held, retrieval=True)
+    assert short.gpu_kv_tokens == 4096 and short.host_kv_tokens == 0 and abs(short.summary_bytes - 4096 * spt) < 1
+    # a given host tier: its pages' summaries first, the pool from the rest
+    given = make_plan(spec, "k8v4", 131072, 12 * GIB, 8000 * MIB, held=held, retrieval=True)
+    assert given.fits and given.gpu_total_bytes <= 12 * GIB + MIB
+    assert abs(given.summary_bytes - (given.gpu_kv_tokens + given.host_kv_tokens) * spt) < MIB
+    # summaries that leave no room for the pool say so (here: a 40,000 MiB host tier's pages)
+    big = make_plan(spec, "k8v4", 262144, 12 * GIB, 40000 * MIB, held=held, retrieval=True, offload_layers=0)
+    assert not big.fits and "page summaries" in big.problems[0]
+    # serve's check sizes the pools from this plan
+    cfg = EngineConfig(device="cuda", max_model_len=262144, cache=CacheConfig(kv_dtype="k8v4"),
+                       retrieval=replace(EngineConfig().retrieval, budget=2048))
+    got = checked_engine_config(cfg, "qwen3-8b-int4", "12GiB")
+    assert got.cache.gpu_kv_mib == p.gpu_kv_bytes // MIB

@@ -80,6 +80,7 @@ def main() -> None:
         try:
             check_assemble(ra, seed=1100 + i)
             check_update_summaries(ra, seed=1200 + i)
+            check_update_summaries(ra, seed=1300 + i, dtype=torch.bfloat16)
         except AssertionError as e:
             failures.append(f"selection glue (seed {i}): {e}")
     for i, (name, gqa) in enumerate(BACKEND_CASES):  # RetrievalAttention wired to the kernel
@@ -164,6 +165,19 @@ def check_quest_scores(ra, hkv: int, g: int, d: int, with_host: bool, seed: int)
         f"centroid: max |kernel - ref| = {(got[fin] - want[fin]).abs().max():.3g}"
     lim = ra.centroid_scores(qg, cdev, ids, chost, limit=torch.tensor([37, 5, 0]))
     assert torch.equal(lim[1, :, :5], got[1, :, :5])
+    # min / max (and, here, sums) held in bf16 (kv/summaries.py summary_dtype on CUDA): the kernel
+    # reads them as the reference does (bf16 values, fp32 math)
+    b16 = lambda rows: tuple(t.bfloat16() if t.is_floating_point() else t for t in rows) if rows else None  # noqa: E731
+    for reduce_max in (False, True):
+        got = ra.quest_scores(qg, b16(dev), ids, reduce_max, b16(host))
+        want = ra.quest_scores_reference(qg, b16(dev), ids, reduce_max, b16(host))
+        fin = ~want.isinf()
+        assert torch.equal(got.isinf(), want.isinf()) and torch.allclose(got[fin], want[fin], rtol=1e-5, atol=1e-4), \
+            f"bf16 summaries, max={reduce_max}"
+    got, want = ra.centroid_scores(qg, b16(cdev), ids, b16(chost)), ra.centroid_scores_reference(qg, b16(cdev), ids,
+                                                                                                   b16(chost))
+    fin = ~want.isinf()
+    assert torch.allclose(got[fin], want[fin], rtol=1e-5, atol=1e-4), "centroid, bf16 summaries"
 
 
 def check_assemble(ra, seed: int, device: str = "cpu") -> None:
@@ -186,15 +200,18 @@ def check_assemble(ra, seed: int, device: str = "cpu") -> None:
     assert bool(live.any()) and bool((~live).any()), "vacuous: every entry live or none"
 
 
-def check_update_summaries(ra, seed: int, device: str = "cpu") -> None:
+def check_update_summaries(ra, seed: int, device: str = "cpu", dtype: torch.dtype = torch.float32) -> None:
     """update_summaries (one row a page) == PageSummaries.update's scatter path, rows 0 resetting
-    their pages among them."""
+    their pages among them. dtype: kmin / kmax's (bf16: still exact, since the min of rounded
+    values is the rounded min; ksum and count are fp32 / int32 in either case)."""
     from kvtier.kv.summaries import PageSummaries
     gen = torch.Generator().manual_seed(seed)
     pages, ps, hkv, d = 9, 4, 2, 32
     ref = PageSummaries(1, pages, hkv, d, ps, "cpu")
     ref.update(0, torch.arange(pages * ps - 5), torch.randn(pages * ps - 5, hkv, d, generator=gen))
-    got = PageSummaries(1, pages, hkv, d, ps, device)
+    got = PageSummaries(1, pages, hkv, d, ps, device, dtype)
+    assert got.kmin.dtype == got.kmax.dtype == dtype and got.ksum.dtype == torch.float32
+    assert got.bytes_per_page_layer() == (2 * got.kmin.element_size() + 4) * hkv * d + 4
     for name in ("kmin", "kmax", "ksum", "count"):
         getattr(got, name).copy_(getattr(ref, name))
     slots = torch.tensor([2 * ps, 5 * ps + 3, 8 * ps + 1, 0])  # rows 0 of pages 2 and 0: reset
@@ -202,7 +219,8 @@ def check_update_summaries(ra, seed: int, device: str = "cpu") -> None:
     ref.update(0, slots, k)
     ra.update_summaries(got.kmin[0], got.kmax[0], got.ksum[0], got.count[0], slots.to(device), k.to(device), ps)
     for name in ("kmin", "kmax", "ksum", "count"):
-        assert torch.equal(getattr(got, name).cpu(), getattr(ref, name)), f"{name} differs"
+        assert torch.equal(getattr(got, name).cpu(), getattr(ref, name).to(getattr(got, name).dtype)), \
+            f"{name} differs ({dtype})"
 
 
 @pytest.mark.parametrize("selector", ["quest", "quest-max"])
