@@ -237,7 +237,8 @@ def make_plan(spec: ModelSpec, kv_format: str, context: int | None, gpu_limit: i
                 f"{reserve / MIB:.0f} MiB{summ} leave {max(gpu_kv, 0) / MIB:.0f} MiB of the "
                 f"{gpu_limit / GIB:.2f} GiB limit for KV (need >= {min_kv / MIB:.0f} MiB, "
                 f"{MIN_GPU_PAGES} pages): raise --gpu-memory-limit to at least "
-                f"{math.ceil((weights + scratch + reserve + min_kv) / MIB)} MiB, or use a smaller model"
+                f"{math.ceil((weights + scratch + reserve + min_kv * (1 + spt / kvpt) + summaries_needed) / MIB)} MiB, "
+                f"or use a smaller model"
                 + (f" (already streaming {offload} of {spec.num_layers} layers from host RAM)" if offload else ""))
             gpu_kv = max(gpu_kv, 0)
         gpu_kv = min(gpu_kv, need_kv)

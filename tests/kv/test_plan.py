@@ -151,6 +151,9 @@ def test_retrieval_summaries_count_on_the_gpu() -> None:
     # summaries that leave no room for the pool say so (here: a 40,000 MiB host tier's pages)
     big = make_plan(spec, "k8v4", 262144, 12 * GIB, 40000 * MIB, held=held, retrieval=True, offload_layers=0)
     assert not big.fits and "page summaries" in big.problems[0]
+    import re
+    at_least = int(re.search(r"at least (\d+) MiB", big.problems[0]).group(1)) * MIB
+    assert at_least > big.weight_bytes + 40000 * MIB / big.kv_bytes_per_token * spt  # the summaries counted
     # serve's check sizes the pools from this plan
     cfg = EngineConfig(device="cuda", max_model_len=262144, cache=CacheConfig(kv_dtype="k8v4"),
                        retrieval=replace(EngineConfig().retrieval, budget=2048))
