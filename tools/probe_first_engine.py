@@ -22,9 +22,7 @@ from tests.gpu import test_host_tier as t  # noqa: E402
 
 
 def main() -> None:
-    g = torch.Generator().manual_seed(0)
-    tensors = {n: torch.randn(sh, generator=g) * 0.2 for n, sh in t.expected_shapes(t.SPEC).items()}
-    model = t.Decoder.from_tensors(t.SPEC, tensors, torch.bfloat16, "cuda")
+    model = t.random_model(torch.bfloat16)
     for graphs in ("auto", "off"):
         for name, r in (("dense", None), ("retrieval", RetrievalConfig(budget=96, sink=4, window=32))):
             for kv in ("k8v4", "int8"):

@@ -159,7 +159,7 @@ def run_grid(a: argparse.Namespace, config: EngineConfig) -> int:
         del engine
         gc.collect()
         torch.cuda.empty_cache() if dev.type == "cuda" else None
-    _report(console, a, rows, bw, wbytes, peak, net)
+    _report(console, a, rows, bw, wbytes, peak, streamed, len(net.offload.layers) if streamed else 0)
     return 0
 
 
@@ -170,13 +170,12 @@ def _fmt(r: GridRow) -> str:
 
 
 def _report(console: Console, a: argparse.Namespace, rows: list[GridRow], bw: float, wbytes: int,
-            peak: int = 0, net=None) -> None:
+            peak: int = 0, streamed: int = 0, streamed_layers: int = 0) -> None:
     dev = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     title = (f"random-{a.shape} on {dev}; weights read per step {wbytes / 1e9:.2f} GB; "
              f"bandwidth {bw / 1e9:.0f} GB/s")
-    off = getattr(net, "offload", None)
-    if off is not None:
-        title += f"; {len(off.layers)} layers streamed from host RAM ({off.host_bytes() / 1e9:.2f} GB a step)"
+    if streamed:
+        title += f"; {streamed_layers} layers streamed from host RAM ({streamed / 1e9:.2f} GB a step)"
     if peak:
         title += f"; peak GPU memory {peak / 2**30:.2f} GiB"
         if getattr(a, "gpu_memory_limit", None):

@@ -88,7 +88,7 @@ class PageSummaries:
                    summary_dtype(device, p.compute_dtype))  # type: ignore[attr-defined]
 
     def bytes_per_page_layer(self) -> int:
-        return (2 * self.kmin.element_size() + 4) * self.kv_heads * self.head_dim + 4
+        return int(summary_bytes_per_token(self.kv_heads, self.head_dim, 1, 1, self.kmin.dtype))
 
     def update(self, layer: int, slots: torch.Tensor, k: torch.Tensor, one_row_per_page: bool = False) -> None:
         """Fold newly written rows into their pages' summaries.

@@ -34,18 +34,21 @@ LENGTHS = (300, 41, 213)  # two longer than the small pool (10 pages = 160 token
 GEN = 20
 
 
-@pytest.fixture(scope="module")
-def model() -> Decoder:
+def random_model(dtype: torch.dtype) -> Decoder:
+    """SPEC with seeded random weights on CUDA, in `dtype`."""
     g = torch.Generator().manual_seed(0)
     tensors = {n: torch.randn(s, generator=g) * 0.2 for n, s in expected_shapes(SPEC).items()}
-    return Decoder.from_tensors(SPEC, tensors, torch.float32, "cuda")
+    return Decoder.from_tensors(SPEC, tensors, dtype, "cuda")
+
+
+@pytest.fixture(scope="module")
+def model() -> Decoder:
+    return random_model(torch.float32)
 
 
 @pytest.fixture(scope="module")
 def model_bf16() -> Decoder:
-    g = torch.Generator().manual_seed(0)
-    tensors = {n: torch.randn(s, generator=g) * 0.2 for n, s in expected_shapes(SPEC).items()}
-    return Decoder.from_tensors(SPEC, tensors, torch.bfloat16, "cuda")
+    return random_model(torch.bfloat16)
 
 
 def run(model: Decoder, kv: str, num_pages: int, host_kv_mib: int = 0,
