@@ -147,6 +147,17 @@ def paged_decode_selected_reference(q: torch.Tensor, st: dict[str, torch.Tensor]
 # sm_90 offline, 4 warps: 123 registers (165 with a host tier) at D = 128, no spills; 8192 spilled
 # at D = 256 with a host tier.
 SCORE_TILE = 4096
+# topk_columns: columns a chunk program sorts (at least; long rows take longer chunks so that at
+# most TOPK_MAX_CHUNKS chunks' picks reach the merge program), the warps of a
+# chunk program, and a chunk holds at least TOPK_CHUNK_PICKS times the (power-of-two) picks. H100,
+# tools/scratch sweep, us a call over 8 heads (torch.topk: 80 at 16,386 columns, 31 at 4,352): k 56
+# at 16,386 columns 20.1 (16.2 with 256 live), at 4,352 10.0 (1,024-column chunks); k 112 at 16,386
+# 31.3 with 2,048-column chunks, 48 with 1,024 (the merge sorts twice the keys)
+TOPK_CHUNK = 1024
+TOPK_CHUNK_PICKS = 16
+TOPK_MAX_CHUNKS = 32
+TOPK_CHUNK_WARPS = 8
+TOPK_MERGE_KEYS_PER_WARP = 128  # the merge program's warps: its keys / this, 4 .. 16
 
 if HAVE_TRITON:
     import triton
@@ -216,6 +227,55 @@ if HAVE_TRITON:
         else:
             tl.store(dst, acc, mask=cm)
 
+    NO_KEY = tl.constexpr(-(1 << 63))  # below every column's key: padding past the last column
+
+    @triton.jit
+    def _column_keys(s, c):
+        """fp32 scores s, columns c -> int64 keys whose order is (score, then the lower column):
+        the score's bits, made order-preserving as a signed int32 (a negative float's magnitude
+        bits flipped), above the column's complement."""
+        b = tl.where(s == 0.0, 0.0, s).to(tl.int32, bitcast=True)  # -0.0 ties +0.0, as in a sort
+        b = tl.where(b < 0, b ^ 0x7FFFFFFF, b)
+        low = tl.full([], 0xFFFFFFFF, tl.int64)
+        return (b.to(tl.int64) << 32) | (low - c.to(tl.int64))
+
+    @triton.jit(do_not_specialize=["H", "C", "NCH"])
+    def _topk_chunk_kernel(s_ptr, live_ptr, out_ptr, H, C, NCH, CH: tl.constexpr, KP: tl.constexpr,
+                           HAS_LIVE: tl.constexpr):
+        """One (row-head rh, chunk of CH columns): the chunk's KP best keys, sorted. Columns at or
+        past live[rh // H] score -inf unread; a chunk wholly past it writes its first KP columns'
+        -inf keys without sorting (a captured step's table is mostly past the context)."""
+        rh = tl.program_id(0)
+        ch = tl.program_id(1)
+        c0 = ch * CH
+        n = C
+        if HAS_LIVE:
+            n = tl.minimum(tl.load(live_ptr + rh // H).to(tl.int32), C)
+        dst = out_ptr + (rh.to(tl.int64) * NCH + ch) * KP + tl.arange(0, KP)
+        if c0 >= n:
+            c = c0 + tl.arange(0, KP)
+            key = _column_keys(tl.full([KP], float("-inf"), tl.float32), c)
+            tl.store(dst, tl.where(c < C, key, NO_KEY))
+            return
+        c = c0 + tl.arange(0, CH)
+        s = tl.load(s_ptr + rh.to(tl.int64) * C + c, mask=c < n, other=float("-inf"))
+        key = tl.where(c < C, _column_keys(s, c), NO_KEY)
+        tl.store(dst, tl.topk(key, KP))
+
+    @triton.jit(do_not_specialize=["NCH", "K"])
+    def _topk_merge_kernel(key_ptr, out_ptr, NCH, K, KP: tl.constexpr, NP: tl.constexpr):
+        """One row-head: the K best of its chunks' keys -> columns, best first; a pick whose score
+        is -inf comes back as column -1."""
+        rh = tl.program_id(0)
+        i = tl.arange(0, NP)
+        key = tl.load(key_ptr + rh.to(tl.int64) * NCH * KP + i, mask=i < NCH * KP, other=NO_KEY)
+        top = tl.topk(key, KP)
+        low = tl.full([], 0xFFFFFFFF, tl.int64)
+        col = low - (top & low)
+        live = (top >> 32) > -0x7F800001  # above -inf's key (0x807FFFFF as a signed int32)
+        j = tl.arange(0, KP)
+        tl.store(out_ptr + rh.to(tl.int64) * K + j, tl.where(live, col, -1), mask=j < K)
+
     @triton.jit(do_not_specialize=["Hkv", "C", "F", "K"])
     def _assemble_kernel(top_ptr, cidx_ptr, cids_ptr, fidx_ptr, fids_ptr, topk_ptr, idx_ptr, ids_ptr, Hkv, C, F, K,
                          BLOCK: tl.constexpr):
@@ -232,9 +292,9 @@ if HAVE_TRITON:
             cand = (j >= F) & (j < n_sel)
             fi = tl.load(fidx_ptr + r * F + j, mask=fixed, other=-1)
             fid = tl.load(fids_ptr + r * F + j, mask=fixed, other=0)
-            t = tl.load(top_ptr + rh.to(tl.int64) * K + (j - F), mask=cand, other=0)
-            ci = tl.load(cidx_ptr + r.to(tl.int64) * C + t, mask=cand, other=-1)
-            cid = tl.load(cids_ptr + r.to(tl.int64) * C + t, mask=cand, other=0)
+            t = tl.load(top_ptr + rh.to(tl.int64) * K + (j - F), mask=cand, other=-1)
+            ci = tl.load(cidx_ptr + r.to(tl.int64) * C + t, mask=cand & (t >= 0), other=-1)
+            cid = tl.load(cids_ptr + r.to(tl.int64) * C + t, mask=cand & (t >= 0), other=0)
             idx = tl.where(fixed, fi, tl.where((j - F < kr) & (ci >= 0), ci, -1))
             out = rh.to(tl.int64) * n_sel + j
             tl.store(idx_ptr + out, idx, mask=j < n_sel)
@@ -298,7 +358,7 @@ def assemble_lists(top: torch.Tensor, cand_idx: torch.Tensor, cand_ids: torch.Te
                    fixed_ids: torch.Tensor, top_k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The per-(row, kv head) page lists of a selection, in one launch.
 
-    top: [R, Hkv, K] candidate columns (top-k of the scores); cand_idx / cand_ids: [R, C] each
+    top: [R, Hkv, K] candidate columns (top-k of the scores; -1: none); cand_idx / cand_ids: [R, C] each
     column's page index (-1: not a candidate) / page id; fixed_idx / fixed_ids: [R, F] the row's
     fixed pages (sink, window, pinned; -1: none); top_k: [R] candidates row r may take.
     -> (page_idx, page_ids) [R, Hkv, F + K] int64: the fixed entries, then the candidates; page
@@ -317,14 +377,55 @@ def assemble_lists(top: torch.Tensor, cand_idx: torch.Tensor, cand_ids: torch.Te
     return idx, ids
 
 
+def topk_columns(scores: torch.Tensor, k: int, live: torch.Tensor | None = None) -> torch.Tensor:
+    """The k best columns of each score row, best first, in two launches: every chunk of
+    TOPK_CHUNK columns sorts its own best keys (many programs over a long row, where torch.topk
+    runs one block a row: 63 us for 16K columns x 8 heads on an H100), then one program a row
+    merges the chunks' picks.
+
+    scores: [R, H, C] fp32; live: [R] int, row r's columns at or past live[r] score -inf without
+    being read. -> [R, H, k] int64 columns; ties go to the lower column; a pick scoring -inf is
+    -1, so a caller that masked pages out with -inf never gets one back, even where a row
+    has fewer than k others. `topk_columns_reference` is the same in PyTorch. No host sync."""
+    if not HAVE_TRITON:
+        raise RuntimeError("topk_columns needs Triton; use topk_columns_reference on CPU")
+    r, h, c = scores.shape
+    if not 0 <= k <= c:
+        raise ValueError(f"topk_columns: k = {k} must be within 0 .. {c} columns")
+    out = torch.empty((r, h, k), dtype=torch.int64, device=scores.device)
+    if r * h == 0 or k == 0:
+        return out
+    kp = max(2, triton.next_power_of_2(k))  # (a one-key tl.topk does not compile for sm_90)
+    ch = max(TOPK_CHUNK, TOPK_CHUNK_PICKS * kp, triton.next_power_of_2(triton.cdiv(c, TOPK_MAX_CHUNKS)))
+    nch = triton.cdiv(c, ch)
+    keys = torch.empty((r * h, nch, kp), dtype=torch.int64, device=scores.device)
+    s = scores.contiguous()
+    _topk_chunk_kernel[(r * h, nch)](s, live.contiguous() if live is not None else s, keys, h, c, nch, CH=ch, KP=kp,
+                                     HAS_LIVE=live is not None, num_warps=TOPK_CHUNK_WARPS)
+    np_ = triton.next_power_of_2(nch) * kp
+    _topk_merge_kernel[(r * h,)](keys, out, nch, k, KP=kp, NP=np_,
+                                 num_warps=min(16, max(4, np_ // TOPK_MERGE_KEYS_PER_WARP)))
+    return out
+
+
+def topk_columns_reference(scores: torch.Tensor, k: int, live: torch.Tensor | None = None) -> torch.Tensor:
+    """topk_columns in PyTorch (same arguments, any device): a stable descending sort."""
+    s = scores.float()
+    if live is not None:
+        s = s.masked_fill(torch.arange(s.shape[-1], device=s.device) >= live[:, None, None], float("-inf"))
+    order = torch.sort(s, dim=-1, descending=True, stable=True).indices[..., :k]
+    return torch.where(s.gather(-1, order) > float("-inf"), order, -1)
+
+
 def assemble_lists_reference(top: torch.Tensor, cand_idx: torch.Tensor, cand_ids: torch.Tensor,
                              fixed_idx: torch.Tensor, fixed_ids: torch.Tensor,
                              top_k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """assemble_lists in PyTorch (same arguments, any device)."""
     r, hkv, k = top.shape
     c, f = cand_idx.shape[1], fixed_idx.shape[1]
-    top_idx = cand_idx[:, None, :].expand(r, hkv, c).gather(-1, top)
-    top_ids = cand_ids[:, None, :].expand(r, hkv, c).gather(-1, top)
+    top_idx = cand_idx[:, None, :].expand(r, hkv, c).gather(-1, top.clamp_min(0))
+    top_idx = torch.where(top >= 0, top_idx, -1)
+    top_ids = cand_ids[:, None, :].expand(r, hkv, c).gather(-1, top.clamp_min(0))
     # a row with fewer candidates than k (a captured step's short contexts) takes them all
     top_ok = (torch.arange(k, device=top.device) < top_k[:, None])[:, None, :] & (top_idx >= 0)
     idx = torch.cat([fixed_idx[:, None, :].expand(r, hkv, f), torch.where(top_ok, top_idx, -1)], dim=-1)

@@ -384,14 +384,20 @@ class RetrievalAttention:
         r, hkv = q.shape[0], self.store.kv_heads
         qg = q.view(r, hkv, -1, q.shape[-1])  # [R, Hkv, g, D]; page_scores takes it in any float dtype
         score = lambda name: self._scores(name, qg, layer, sel)  # noqa: E731
+        if sel.pad is None:  # the fused path (`fused_select`, fixed by `_tables`): chunked top-k
+            from kvtier.kernels.retrieval_attention import topk_columns
+            best = lambda s, k: topk_columns(s, k, sel.limit)  # noqa: E731  (-1: a pick at -inf)
+        else:
+            best = lambda s, k: s.topk(k, dim=-1).indices  # noqa: E731
         if self.config.selector == "hybrid":  # half the picks by the Quest bound, the rest by centroid
             k1 = sel.k // 2
-            top1 = score("quest").topk(k1, dim=-1).indices
-            s2 = score("centroid").scatter(-1, top1, float("-inf"))
-            top = torch.cat([top1, s2.topk(sel.k - k1, dim=-1).indices], dim=-1)  # [R, Hkv, K]
+            top1 = best(score("quest"), k1)
+            # a -1 in top1 means it took every candidate: clamped, it masks column 0 (never one)
+            s2 = score("centroid").scatter(-1, top1.clamp_min(0), float("-inf"))
+            top = torch.cat([top1, best(s2, sel.k - k1)], dim=-1)  # [R, Hkv, K]
         else:
-            top = score(self.config.selector).topk(sel.k, dim=-1).indices  # [R, Hkv, K]
-        if sel.pad is None:  # the fused path (`fused_select`, fixed by `_tables`)
+            top = best(score(self.config.selector), sel.k)  # [R, Hkv, K]
+        if sel.pad is None:
             from kvtier.kernels.retrieval_attention import assemble_lists
             return assemble_lists(top, sel.cand_idx, sel.cand_ids, sel.fixed_idx, sel.fixed_ids, sel.top_k)
         from kvtier.kernels.retrieval_attention import assemble_lists_reference

@@ -141,6 +141,16 @@ def test_selection_glue_kernels_match_references_cuda(seed: int) -> None:
     interp_cases.check_update_summaries(ra, seed=1300 + seed, device="cuda", dtype=torch.bfloat16)
 
 
+@pytest.mark.parametrize("r,h,c,k", [(1, 8, 16386, 56), (2, 8, 16386, 112), (3, 4, 4352, 128), (1, 2, 70000, 200),
+                                     (2, 3, 37, 5), (2, 1, 9, 9),
+                                     (2, 2, 65, 1), (1, 2, 65, 2)])
+def test_topk_columns_matches_reference_cuda(r: int, h: int, c: int, k: int) -> None:
+    """topk_columns (chunked top-k) == a stable descending sort, at a 256K table's width and past
+    TOPK_MAX_CHUNKS chunks of TOPK_CHUNK columns."""
+    from kvtier.kernels import retrieval_attention as ra
+    interp_cases.check_topk(ra, r, h, c, k, seed=r * 1000 + c, device="cuda")
+
+
 def test_quest_scores_bf16_summaries_cuda() -> None:
     """quest_scores / centroid_scores over bf16 summaries (and fp32) == their references, on CUDA."""
     from kvtier.kernels import retrieval_attention as ra

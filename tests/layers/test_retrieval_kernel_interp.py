@@ -76,6 +76,11 @@ def main() -> None:
             check_quest_scores(ra, hkv, g, d, with_host, seed=600 + i)
         except AssertionError as e:
             failures.append(f"quest_scores Hkv={hkv} G={g} D={d} host={with_host}: {e}")
+    for i, case in enumerate(TOPK_CASES):
+        try:
+            check_topk(ra, *case, seed=1400 + i)
+        except AssertionError as e:
+            failures.append(f"topk_columns {case}: {e}")
     for i in range(3):
         try:
             check_assemble(ra, seed=1100 + i)
@@ -180,6 +185,29 @@ def check_quest_scores(ra, hkv: int, g: int, d: int, with_host: bool, seed: int)
     assert torch.allclose(got[fin], want[fin], rtol=1e-5, atol=1e-4), "centroid, bf16 summaries"
 
 
+# topk_columns: (rows, heads, columns, k); small enough for the interpreter, the second one
+# across two chunks (TOPK_CHUNK = 1024), the third with k == columns
+TOPK_CASES = [(2, 3, 37, 5), (1, 2, 1100, 40), (2, 1, 9, 9), (2, 2, 65, 1)]
+
+
+def check_topk(ra, r: int, h: int, c: int, k: int, seed: int, device: str = "cpu") -> None:
+    """topk_columns == topk_columns_reference (a stable sort): ties (rounded scores), +inf and -inf
+    scores, rows cut short by `live` (one below k: its last picks are -1), and without `live`."""
+    gen = torch.Generator().manual_seed(seed)
+    s = torch.randn(r, h, c, generator=gen)
+    s[:, :, ::3] = torch.round(s[:, :, ::3])  # many equal scores
+    s[s < -1.5] = float("-inf")
+    s[0, 0, 1] = float("inf")
+    live = torch.randint(k, c + 1, (r,), generator=gen)
+    live[-1] = k // 2  # fewer live columns than k
+    for lv in (live, None):
+        got = ra.topk_columns(s.to(device), k, None if lv is None else lv.to(device)).cpu()
+        want = ra.topk_columns_reference(s, k, lv)
+        assert torch.equal(got, want), f"live={lv is not None}: columns differ"
+    assert bool((want >= 0).any()), "vacuous: no pick"
+    assert bool((ra.topk_columns_reference(s, k, live) < 0).any()), "vacuous: no -inf pick"
+
+
 def check_assemble(ra, seed: int, device: str = "cpu") -> None:
     """assemble_lists == assemble_lists_reference: fixed entries with gaps, candidates past a row's
     top_k and top columns that are not candidates read nothing (page index -1)."""
@@ -190,6 +218,7 @@ def check_assemble(ra, seed: int, device: str = "cpu") -> None:
     fixed_idx = torch.where(torch.rand(r, f, generator=gen) < 0.7, torch.randint(0, 40, (r, f), generator=gen), -1)
     fixed_ids = torch.randint(0, 100, (r, f), generator=gen)
     top = torch.stack([torch.stack([torch.randperm(c, generator=gen)[:k] for _ in range(hkv)]) for _ in range(r)])
+    top[0, 0, -2:] = -1  # topk_columns' picks at -inf: read nothing
     top_k = torch.tensor([k, 3, 0])
     got = [t.cpu() for t in ra.assemble_lists(*(t.to(device) for t in (top, cand_idx, cand_ids, fixed_idx,
                                                                          fixed_ids, top_k)))]
