@@ -99,6 +99,12 @@ PROGRAMS_PER_SM = 4
 MIN_SPLIT_TOKENS = 128
 # Upper bound on the heuristic's splits (B = 1, few kv heads, very long contexts).
 MAX_SPLITS = 64
+# Decode launches with this many splits or more take q into the stored domain (and the output back)
+# in two launches of their own instead of folding both into the split and merge kernels. H100,
+# tools/scratch-style sweep of paged_decode at B = 1 (graph replay, us a call): int8 at 32K, 64
+# splits: folded 61.2, separate 47.1 (plain kernel 43.4); at 4K, 32 splits: folded 12.1, separate
+# 14.6. The folded kernel's page loop runs slower, so the fold pays only for short splits.
+FOLD_MAX_SPLITS = 64
 
 # The kernels' alternate-source offsets (AltPages): never specialised on value.
 ALT_ARGS = ("ad_k", "ad_ks", "ad_v", "ad_vs", "ad_sk", "ad_sv", "ad_slot")

@@ -105,6 +105,18 @@ def test_graph_replay_equals_eager_every_format(pair, kv):
     assert a == b
 
 
+@pytest.mark.parametrize("kv", ["int8", "k8v4"])
+def test_unfolded_decode_equals_folded(pair, kv, monkeypatch):
+    """Decode with the stored-domain moves as launches of their own (what long splits take,
+    FOLD_MAX_SPLITS) == folded into the split / merge kernels (short splits): same greedy tokens."""
+    from kvtier.kernels import paged_attention
+    _, model = pair
+    ps = prompts()
+    folded = greedy(make_engine(model, kv=kv), ps)
+    monkeypatch.setattr(paged_attention, "FOLD_MAX_SPLITS", 1)
+    assert greedy(make_engine(model, kv=kv), ps) == folded
+
+
 def test_seeded_sampling_on_gpu_is_reproducible(pair):
     _, model = pair
     ps = prompts()[:3]
