@@ -30,6 +30,11 @@ from kvtier.config import EngineConfig
 
 from kvtier.bench.run import bench_hf_model, measure_bandwidth, synthetic_ids, _sync
 
+# the request each engine runs before the timed rows (kernels compiled, graphs warm): counted in
+# max_model_len, so a grid of short contexts fits it
+WARMUP_PROMPT = 64
+WARMUP_GEN = 8
+
 
 @dataclass
 class GridRow:
@@ -122,7 +127,7 @@ def run_grid(a: argparse.Namespace, config: EngineConfig) -> int:
     rows: list[GridRow] = []
     peak = 0
     for i, kv in enumerate(_csv(a.kv_dtypes)):
-        need = max(c + a.gen_tokens for c in contexts)
+        need = max([c + a.gen_tokens for c in contexts] + [WARMUP_PROMPT + WARMUP_GEN])
         cfg = replace(base, cache=replace(base.cache, kv_dtype=kv),
                       max_model_len=max(base.max_model_len or 0, need))
         engine = Engine(net, None, cfg, model_name=f"random-{a.shape}")
@@ -130,7 +135,7 @@ def run_grid(a: argparse.Namespace, config: EngineConfig) -> int:
                       f"{engine.graph_capture_seconds:.1f} s, {engine.manager.num_gpu_pages} pages[/]")
         kvpt = kv_bytes_per_token(make_format(kv), spec.num_kv_heads, spec.head_dim, cfg.cache.page_size,
                                   dt) * spec.num_layers
-        run_batch(engine, [synthetic_ids(64, spec.vocab_size, 3)], 8)  # warm-up
+        run_batch(engine, [synthetic_ids(WARMUP_PROMPT, spec.vocab_size, 3)], WARMUP_GEN)  # warm-up
         for ctx in contexts:
             for b in batches:
                 if b * (ctx + a.gen_tokens) > engine.manager.num_gpu_pages * cfg.cache.page_size \

@@ -209,7 +209,7 @@ def make_plan(spec: ModelSpec, kv_format: str, context: int | None, gpu_limit: i
     if context is not None and context < 1:
         raise ValueError(f"--context must be >= 1, got {context}")
     context = context or spec.max_position_embeddings
-    need_kv = int(context * kvpt)
+    need_kv = int(-(-context // DEFAULT_PAGE_SIZE) * DEFAULT_PAGE_SIZE * kvpt)  # whole pages
     problems: list[str] = []
     offload, offload_bytes = 0, 0
     host_fixed = None if host_kv_bytes is None else host_kv_bytes / kvpt  # host tier tokens, if given
@@ -355,7 +355,8 @@ def checked_engine_config(config: EngineConfig, model: str, gpu_memory_limit: st
                         f"--gpu-memory-limit leaves for KV: lower it or leave it out (sized from the plan)")
     if problems:
         raise ValueError("the memory plan does not fit (see `kvtier plan`):\n  - " + "\n  - ".join(problems))
-    gpu_kv_mib = cc.gpu_kv_mib or max(1, plan.gpu_kv_bytes // MIB)
+    # rounded up: a pool sized to a whole context must not come out a page short of it
+    gpu_kv_mib = cc.gpu_kv_mib or max(1, math.ceil(plan.gpu_kv_bytes / MIB))
     host_kv_mib = cc.host_kv_mib or math.ceil(plan.host_kv_bytes / MIB)
     _cap_cuda_memory(plan.gpu_limit or 0, config.device)
     return replace(config, cache=replace(cc, gpu_kv_mib=gpu_kv_mib, host_kv_mib=host_kv_mib),

@@ -53,6 +53,14 @@ def test_grid_bench_rows(tmp_path):
     assert all(float(r[6]) > 0 and r[7].strip().endswith("%") for r in rows)
 
 
+def test_grid_bench_shorter_than_its_warm_up(tmp_path):
+    """Contexts shorter than the grid's warm-up request (64 + 8 tokens): max_model_len counts it."""
+    out = tmp_path / "grid.md"
+    assert main(["bench", "--shape", "llama-tiny", "--contexts", "24", "--batches", "1", "--kv-dtypes", "fp32",
+                 "--gen-tokens", "4", "--no-hf", "--out", str(out)]) == 0
+    assert sum(ln.startswith("| kvtier") for ln in out.read_text().splitlines()) == 1
+
+
 def test_grid_bench_past_the_pool_with_a_host_tier(tmp_path):
     """With a host tier, contexts longer than the compute pool run (the issue-12 table), here with
     retrieval past a small budget; without one they are skipped."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
+import torch
 
 import kvtier.engine.plan as plan_mod
 from kvtier.cli import main
@@ -74,11 +75,28 @@ def test_serve_refuses_before_loading(monkeypatch: pytest.MonkeyPatch, capsys: p
     assert "does not fit" in err and "--gpu-memory-limit" in err
 
 
+@pytest.mark.parametrize("context", [65536 + 32, 4096, 1000])
+def test_a_context_that_fits_gets_every_page_it_needs(context: int) -> None:
+    """A context the plan keeps wholly on the GPU gets a pool of at least its pages (the last one
+    partial), with no host tier: was one page short (MiB rounded down), so `kvtier bench
+    --gpu-memory-limit` skipped a 64K row for want of a host tier."""
+    from kvtier.kv.formats import make_format
+    from kvtier.kv.pool import kv_bytes_per_token
+    spec = spec_for("qwen3-8b-int4")
+    cfg = EngineConfig(device="cuda", max_model_len=context, cache=CacheConfig(kv_dtype="k8v4"),
+                       retrieval=replace(EngineConfig().retrieval, budget=2048))
+    got = checked_engine_config(cfg, "qwen3-8b-int4", "12GiB")
+    per_page = kv_bytes_per_token(make_format("k8v4"), spec.num_kv_heads, spec.head_dim, 16,
+                                  torch.bfloat16) * spec.num_layers * 16
+    assert got.cache.host_kv_mib == 0
+    assert got.cache.gpu_kv_mib * MIB // per_page >= -(-context // 16)  # Engine._auto_pages' count
+
+
 def test_fitting_plan_sizes_the_pools() -> None:
     cfg = EngineConfig(device="cpu", max_model_len=262144)
     got = checked_engine_config(cfg, "qwen3-8b", "24GiB")
     p = make_plan(spec_for("qwen3-8b"), "bf16", 262144, 24 * GIB, None)
-    assert got.cache.gpu_kv_mib == p.gpu_kv_bytes // MIB and got.cache.host_kv_mib * MIB >= p.host_kv_bytes
+    assert got.cache.gpu_kv_mib == -(-p.gpu_kv_bytes // MIB) and got.cache.host_kv_mib * MIB >= p.host_kv_bytes
     assert checked_engine_config(cfg, "qwen3-8b", None) is cfg
     with pytest.raises(ValueError, match="--gpu-kv-mib"):
         checked_engine_config(replace(cfg, cache=replace(cfg.cache, gpu_kv_mib=20_000)), "qwen3-8b", "24GiB")
@@ -158,4 +176,4 @@ def test_retrieval_summaries_count_on_the_gpu() -> None:
     cfg = EngineConfig(device="cuda", max_model_len=262144, cache=CacheConfig(kv_dtype="k8v4"),
                        retrieval=replace(EngineConfig().retrieval, budget=2048))
     got = checked_engine_config(cfg, "qwen3-8b-int4", "12GiB")
-    assert got.cache.gpu_kv_mib == p.gpu_kv_bytes // MIB
+    assert got.cache.gpu_kv_mib == -(-p.gpu_kv_bytes // MIB)
