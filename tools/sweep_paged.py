@@ -1,6 +1,6 @@
 """GPU time of paged_decode per launch-parameter variant (CUDA-graph replay: no launch overhead).
 
-    python3 tools/sweep_paged.py [--default | --few]
+    python3 tools/sweep_paged.py [--default | --few | --splits]
 
 For each (warps, stages, tile bytes) variant and each format: B=1 at 32K and B=32 at 8K
 context (Hkv 8, Hq 32, D 128, scattered 16-token pages), 20 calls captured in one graph and
@@ -67,6 +67,8 @@ def main() -> None:
     long_tile = pa.LONG_TILE_BYTES
     print(f"default warps/stages/tile/programs-per-SM = {base}")
     variants = itertools.product((4, 8), (2, 3), (8192, 16384, 32768), (4,))
+    if "--splits" in sys.argv:
+        return sweep_splits(pools, sms)
     if "--default" in sys.argv:
         variants = [base]
     elif "--few" in sys.argv:  # the default and longer tiles (what the code formats may want)
@@ -88,6 +90,27 @@ def main() -> None:
         print(f"warps {warps} stages {stages} tile {tile:5d} pps {pps}: " + " | ".join(row), flush=True)
     pa.NUM_WARPS, pa.NUM_STAGES, pa.TILE_BYTES, pa.PROGRAMS_PER_SM = base
     pa.LONG_TILE_BYTES = long_tile
+
+
+def sweep_splits(pools: dict, sms: int) -> None:
+    """--splits: the split heuristic's (programs per SM, most splits, fewest tokens a split) moved
+    together, default tiles and warps; cases B1 32K / 4K, B8 32K, B32 8K."""
+    base = (pa.PROGRAMS_PER_SM, pa.MAX_SPLITS, pa.MIN_SPLIT_TOKENS)
+    cases = ((1, 32768), (1, 4096), (8, 32768), (32, 8192))
+    for pps, most, least in ((4, 64, 128), (8, 128, 128), (16, 256, 128), (8, 256, 64), (16, 512, 64),
+                             (32, 512, 64)):
+        pa.PROGRAMS_PER_SM, pa.MAX_SPLITS, pa.MIN_SPLIT_TOKENS = pps, most, least
+        row = []
+        for name, pool in pools.items():
+            for batch, ctx in cases:
+                if batch * ctx // PS > pool.num_pages:
+                    continue
+                splits = pa.choose_num_splits(batch, HKV, ctx, PS, sms)
+                us = time_case(pool, batch, ctx, splits)
+                gbs = batch * ctx * pool.fmt.bytes_per_token(HKV, D) / (us * 1e-6) / 1e9
+                row.append(f"{name} B{batch} {ctx // 1024}K s{splits} {us:6.1f}us {gbs:5.0f}GB/s")
+        print(f"programs/SM {pps} max splits {most} min split {least}:\n   " + "\n   ".join(row), flush=True)
+    pa.PROGRAMS_PER_SM, pa.MAX_SPLITS, pa.MIN_SPLIT_TOKENS = base
 
 
 if __name__ == "__main__":

@@ -395,7 +395,7 @@ def topk_columns(scores: torch.Tensor, k: int, live: torch.Tensor | None = None)
     out = torch.empty((r, h, k), dtype=torch.int64, device=scores.device)
     if r * h == 0 or k == 0:
         return out
-    kp = max(2, triton.next_power_of_2(k))  # (a one-key tl.topk does not compile for sm_90)
+    kp = max(2, triton.next_power_of_2(k))  # k = 1 as a one-key tl.topk failed on an H100 (untraced)
     ch = max(TOPK_CHUNK, TOPK_CHUNK_PICKS * kp, triton.next_power_of_2(triton.cdiv(c, TOPK_MAX_CHUNKS)))
     nch = triton.cdiv(c, ch)
     keys = torch.empty((r * h, nch, kp), dtype=torch.int64, device=scores.device)

@@ -1,0 +1,54 @@
+"""GPU time of retrieval's chunked top-k (kernels/retrieval_attention.py topk_columns) per launch
+setting, beside torch.topk, over score rows of a retrieval graph's shapes (8 kv heads).
+
+    PYTHONPATH=. python3 tools/sweep_topk.py
+
+Cases (columns, k, live columns): a 256K table's 16,386 columns with every column live and with
+256 (a 4K context in a 256K engine), k 56 (hybrid's halves) and 112, and 4,352 columns. Each row:
+us a call from CUDA-graph replay, and whether it equals topk_columns_reference.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+
+import kvtier.kernels.retrieval_attention as ra
+
+
+def timed(fn, n: int = 20) -> float:
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(n):
+            fn()
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    g.replay()
+    a.record()
+    for _ in range(5):
+        g.replay()
+    b.record()
+    torch.cuda.synchronize()
+    return a.elapsed_time(b) * 1e3 / (5 * n)
+
+
+def main() -> None:
+    s = torch.randn(1, 8, 16386, device="cuda")
+    base = (ra.TOPK_CHUNK, ra.TOPK_CHUNK_WARPS, ra.TOPK_MERGE_KEYS_PER_WARP, ra.TOPK_CHUNK_PICKS)
+    for c, k, lv in ((16386, 56, 16386), (16386, 56, 256), (16386, 112, 16386), (4352, 56, 4352)):
+        x = s[..., :c].contiguous()
+        live = torch.tensor([lv], device="cuda")
+        print(f"C {c} k {k} live {lv}: torch.topk {timed(lambda: x.topk(k, dim=-1)):.1f} us", flush=True)
+        for ch, cw, kpw in itertools.product((1024, 2048, 4096), (4, 8), (128, 512)):
+            ra.TOPK_CHUNK, ra.TOPK_CHUNK_WARPS, ra.TOPK_MERGE_KEYS_PER_WARP, ra.TOPK_CHUNK_PICKS = ch, cw, kpw, 2
+            us = timed(lambda: ra.topk_columns(x, k, live))
+            ok = torch.equal(ra.topk_columns(x, k, live), ra.topk_columns_reference(x, k, live))
+            print(f"   chunk {ch} warps {cw} merge keys/warp {kpw}: {us:6.1f} us {'' if ok else 'WRONG'}", flush=True)
+    ra.TOPK_CHUNK, ra.TOPK_CHUNK_WARPS, ra.TOPK_MERGE_KEYS_PER_WARP, ra.TOPK_CHUNK_PICKS = base
+
+
+if __name__ == "__main__":
+    main()
