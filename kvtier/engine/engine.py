@@ -32,7 +32,8 @@ from dataclasses import dataclass, field
 import torch
 
 from kvtier.config import EngineConfig, prefill_chunk_for
-from kvtier.engine.request import ContextOverflowError, Output, PinnedBudget, Progress, Request, Usage
+from kvtier.engine.request import (ContextOverflowError, KVCapacityError, Output, PinnedBudget, Progress, Request,
+                                   Usage)
 from kvtier.engine.runner import ModelRunner
 from kvtier.engine.sampler import needs_history, sample
 from kvtier.engine.scheduler import Batch, Scheduler, SeqStatus, Sequence
@@ -186,6 +187,8 @@ class Engine:
             raise ValueError("the prompt is empty")
         if n + mt > self.max_model_len:
             raise ContextOverflowError(n, mt, self.max_model_len)
+        if n > self.manager.capacity_tokens:  # its prompt could never be prefilled
+            raise KVCapacityError(n, mt, self.manager.capacity_tokens)
         if req.request_id in self._seqs:
             raise ValueError(f"duplicate request id {req.request_id!r}")
         if self.pinned_budget is not None:
@@ -236,6 +239,12 @@ class Engine:
                 # nothing running and the head of the queue still does not fit: it never will
                 seq = self.scheduler.waiting[0]
                 outputs.append(self._finish(seq, "error", "the KV cache is too small for this request"))
+            elif self.scheduler.running and self._inflight is None:
+                # running sequences but none got a page and none could be preempted: the one left
+                # has filled both tiers; it would wait forever. What it generated stands ("length").
+                seq = self.scheduler.running[-1]
+                outputs.append(self._finish(seq, "length") if not seq.in_prefill else self._finish(
+                    seq, "error", f"the KV cache holds {self.manager.capacity_tokens:,} tokens"))
             return outputs
         self._set_threads(batch)
         if self.overlap and self._launchable(batch):
@@ -492,6 +501,8 @@ class AsyncEngine:
         n, mt = len(request.prompt_token_ids), request.params.max_tokens
         if n + mt > self.max_model_len:
             raise ContextOverflowError(n, mt, self.max_model_len)
+        if n > self.engine.manager.capacity_tokens:  # (fixed at start: read from this thread)
+            raise KVCapacityError(n, mt, self.engine.manager.capacity_tokens)
         q: asyncio.Queue = asyncio.Queue()
         with self._lock:
             self._streams[request.request_id] = (asyncio.get_running_loop(), q)

@@ -242,7 +242,10 @@ def make_plan(spec: ModelSpec, kv_format: str, context: int | None, gpu_limit: i
                 + (f" (already streaming {offload} of {spec.num_layers} layers from host RAM)" if offload else ""))
             gpu_kv = max(gpu_kv, 0)
         gpu_kv = min(gpu_kv, need_kv)
-    host_need = max(0, need_kv - gpu_kv)
+        if gpu_kv < need_kv:  # the pool in whole pages, so that the host tier's share is whole pages too
+            page_kv = DEFAULT_PAGE_SIZE * kvpt
+            gpu_kv = (gpu_kv // page_kv) * page_kv
+    host_need = max(0, math.ceil(need_kv - gpu_kv))
     host = host_need if host_kv_bytes is None else host_kv_bytes
     summary_bytes = int((int(gpu_kv) + host) / kvpt * spt)
     avail = host_ram_available()

@@ -113,6 +113,19 @@ class ContextOverflowError(ValueError):
             f"{prompt_tokens} prompt tokens and asks for {max_tokens} completion tokens")
 
 
+class KVCapacityError(ContextOverflowError):
+    """The prompt alone needs more KV pages than the GPU pool and the host tier hold together: it
+    could never be prefilled. A ContextOverflowError, so the APIs answer it as one (400,
+    context_length_exceeded); the engine checks it before queueing anything."""
+
+    def __init__(self, prompt_tokens: int, max_tokens: int, capacity: int):
+        self.prompt_tokens, self.max_tokens, self.limit = prompt_tokens, max_tokens, capacity
+        ValueError.__init__(
+            self, f"the KV cache holds {capacity:,} tokens (GPU pool + host tier) but the request has "
+            f"{prompt_tokens:,} prompt tokens: raise --gpu-kv-mib / --host-kv-mib, pick a smaller "
+            f"--kv-dtype or shorten the prompt")
+
+
 class PinnedOverBudgetError(ContextOverflowError):
     """The spans a request pins (system prompt + tools + current turn) plus the sink and recent
     window do not fit retrieval attention's budget. A ContextOverflowError, so every path that

@@ -108,6 +108,8 @@ class CacheManager:
         self.enable_prefix = enable_prefix
         self.namespace = namespace
         self.offload = offload and num_host_pages > 0  # long sequences spill their own pages
+        # tokens one sequence may hold at most: the GPU pool, plus the host tier it spills to
+        self.capacity_tokens = (num_gpu_pages + (num_host_pages if self.offload else 0)) * page_size
         self.index = PrefixIndex(page_size)
         self._seqs: dict[str, _Seq] = {}
         # GPU tier

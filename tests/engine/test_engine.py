@@ -129,6 +129,49 @@ def test_context_overflow_rejected_up_front(make_engine):
     assert not eng.has_unfinished()
 
 
+def test_prompt_past_both_kv_tiers_rejected_up_front(make_engine):
+    """A prompt that the GPU pool and the host tier cannot hold together is a context overflow
+    (naming the capacity) before anything is queued: it used to wait forever."""
+    from kvtier.engine.request import KVCapacityError
+    eng = make_engine(num_pages=4)  # 64 tokens, no host tier
+    with pytest.raises(KVCapacityError, match="KV cache holds 64 tokens"):
+        eng.add_request(Request("big", [1] * 65, SamplingParams(max_tokens=4)))
+    assert not eng.has_unfinished()
+    aeng = AsyncEngine(eng)  # the server's path: raised before any stream starts (a 400 there)
+
+    async def first():
+        async for out in aeng.generate(Request("big", [1] * 65, SamplingParams(max_tokens=4))):
+            return out
+    try:
+        with pytest.raises(KVCapacityError):
+            asyncio.run(first())
+    finally:
+        aeng.shutdown()
+    eng = make_engine(num_pages=4, host_kv_mib=1)  # + the host tier's pages
+    assert eng.manager.capacity_tokens == (4 + eng.manager.num_host_pages) * 16 > 64
+    eng.add_request(Request("fits", [1] * 65, SamplingParams(max_tokens=2)))
+    assert eng.has_unfinished()
+
+
+def test_generation_that_fills_the_kv_cache_ends_with_length(make_engine):
+    """A sequence whose prompt fits but whose generation runs past every page finishes with
+    "length" when it has filled the cache, with what it generated so far (it used to spin)."""
+    eng = make_engine(num_pages=4)  # 64 tokens
+    req = Request("long", eng.tokenizer.encode("1, 2, 3, 4,"), SamplingParams(temperature=0, max_tokens=200,
+                                                                              ignore_eos=True))
+    eng.add_request(req)
+    outs = []
+    for _ in range(400):
+        if not eng.has_unfinished():
+            break
+        outs += eng.step()
+    assert not eng.has_unfinished(), "the engine spun on a sequence that cannot get a page"
+    last = outs[-1]
+    assert last.finish_reason == "length" and last.error is None
+    assert 0 < last.usage.completion_tokens and last.usage.prompt_tokens + last.usage.completion_tokens <= 65
+    eng.manager.check_integrity()
+
+
 def test_seeded_sampling_reproducible_across_batches(make_engine):
     eng = make_engine()
     p = SamplingParams(temperature=0.9, top_p=0.95, seed=1234, max_tokens=12)
