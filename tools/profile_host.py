@@ -9,10 +9,10 @@ steps and the top CUDA kernels / CPU ops of a few of them (torch.profiler).
 from __future__ import annotations
 
 import argparse
-import time
 
 import torch
 
+from gpu_timing import synced_steps_ms  # tools/, run as a script
 from kvtier.bench.run import synthetic_ids
 from kvtier.bench.shapes import random_model
 from kvtier.config import CacheConfig, EngineConfig, RetrievalConfig
@@ -45,14 +45,8 @@ def main() -> None:
             pass
         for _ in range(3):  # past the prefill, warm
             eng.step()
-        times = []
-        for _ in range(8):
-            torch.cuda.synchronize()
-            t = time.perf_counter()
-            eng.step()
-            torch.cuda.synchronize()
-            times.append(time.perf_counter() - t)
-        print(f"== {name}: decode step ms " + " ".join(f"{x * 1e3:.1f}" for x in times), flush=True)
+        times = synced_steps_ms(eng, 8)
+        print(f"== {name}: decode step ms " + " ".join(f"{x:.1f}" for x in times), flush=True)
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
                                                 torch.profiler.ProfilerActivity.CUDA]) as prof:
             for _ in range(4):

@@ -13,21 +13,23 @@ step chose too (whether a GPU cache of selected host pages would hit).
 from __future__ import annotations
 
 import argparse
-import cProfile
 import collections
 import gc
-import io
-import pstats
+import sys
 import time
+from pathlib import Path
 
 import torch
 
-from kvtier.bench.run import synthetic_ids
-from kvtier.bench.shapes import random_model
-from kvtier.config import CacheConfig, EngineConfig, RetrievalConfig
-from kvtier.engine.engine import Engine
-from kvtier.engine.request import Request, SamplingParams
-from kvtier.layers.retrieval import RetrievalAttention
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gpu_timing import cprofile_steps, synced_steps_ms  # noqa: E402
+
+from kvtier.bench.run import synthetic_ids  # noqa: E402
+from kvtier.bench.shapes import random_model  # noqa: E402
+from kvtier.config import CacheConfig, EngineConfig, RetrievalConfig  # noqa: E402
+from kvtier.engine.engine import Engine  # noqa: E402
+from kvtier.engine.request import Request, SamplingParams  # noqa: E402
+from kvtier.layers.retrieval import RetrievalAttention  # noqa: E402
 
 
 def kernels(prof, steps: int, n: int = 16) -> None:
@@ -90,14 +92,7 @@ def main() -> None:
             RetrievalAttention.select = rec
         for _ in range(3):
             eng.step()
-        times = []
-        for _ in range(8):
-            torch.cuda.synchronize()
-            t = time.perf_counter()
-            eng.step()
-            torch.cuda.synchronize()
-            times.append((time.perf_counter() - t) * 1e3)
-        print("   synced step ms " + " ".join(f"{x:.2f}" for x in times))
+        print("   synced step ms " + " ".join(f"{x:.2f}" for x in synced_steps_ms(eng, 8)))
         torch.cuda.synchronize()
         t = time.perf_counter()
         for _ in range(16):
@@ -114,15 +109,7 @@ def main() -> None:
             torch.cuda.synchronize()
         kernels(prof, 4)
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=10))
-        pr = cProfile.Profile()
-        pr.enable()
-        for _ in range(6):
-            eng.step()
-        torch.cuda.synchronize()
-        pr.disable()
-        s = io.StringIO()
-        pstats.Stats(pr, stream=s).sort_stats("cumulative").print_stats(22)
-        print(s.getvalue()[-4500:])
+        print(cprofile_steps(eng, 6, 22)[-4500:])
         del eng
         gc.collect()
         torch.cuda.empty_cache()

@@ -12,6 +12,7 @@ import time
 
 import torch
 
+from gpu_timing import cprofile_steps  # tools/, run as a script
 from kvtier.bench.run import synthetic_ids
 from kvtier.bench.shapes import random_model
 from kvtier.config import CacheConfig, EngineConfig
@@ -54,19 +55,11 @@ def main() -> None:
         print(f"run {rep}: step ms " + " ".join(f"{x * 1e3:.1f}" for x in times))
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25))
     print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=15))
-    import cProfile
-    import pstats
     eng.add_request(Request("r9", synthetic_ids(a.prompt, net.spec.vocab_size, 91),
                             SamplingParams(max_tokens=40, ignore_eos=True)))
     for _ in range(4):
         eng.step()  # prefill + first decodes
-    pr = cProfile.Profile()
-    pr.enable()
-    for _ in range(20):
-        eng.step()
-    torch.cuda.synchronize()
-    pr.disable()
-    pstats.Stats(pr).sort_stats("cumulative").print_stats(12)
+    print(cprofile_steps(eng, 20, 12))
     eng.add_request(Request("r10", synthetic_ids(a.prompt, net.spec.vocab_size, 97),
                             SamplingParams(max_tokens=2, ignore_eos=True)))
     pr = cProfile.Profile()

@@ -19,27 +19,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import sweep_paged as sp  # noqa: E402
+from gpu_timing import replay_us as timed  # noqa: E402
 
 from kvtier.kernels import kv_transform  # noqa: E402
 from kvtier.kernels import paged_attention as pa  # noqa: E402
-
-
-def timed(fn) -> float:
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(20):
-            fn()
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    g.replay()
-    a.record()
-    for _ in range(5):
-        g.replay()
-    b.record()
-    torch.cuda.synchronize()
-    return a.elapsed_time(b) * 1e3 / 100
 
 
 def main() -> None:

@@ -14,6 +14,7 @@ import sys
 
 import torch
 
+from gpu_timing import replay_us  # noqa: E402  (tools/, run as a script)
 from kvtier.kernels import paged_attention as pa
 from kvtier.kv.formats import make_format
 from kvtier.kv.pool import PagePool
@@ -42,21 +43,7 @@ def time_case(pool: PagePool, batch: int, ctx: int, splits: int) -> float:
     sink = (pool.sink_k[0], pool.sink_v[0], pool.sink_slot) if pool.sink_slots else None
     call = lambda: pa.paged_decode(q, pool.layers[0], pool.fmt, perm, lens, D ** -0.5, splits,  # noqa: E731
                                    sink=sink, out=out)
-    for _ in range(3):
-        call()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(CALLS):
-            call()
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    g.replay()
-    a.record()
-    for _ in range(5):
-        g.replay()
-    b.record()
-    torch.cuda.synchronize()
-    return a.elapsed_time(b) * 1e3 / (5 * CALLS)
+    return replay_us(call, CALLS)
 
 
 def main() -> None:

@@ -11,28 +11,15 @@ us a call from CUDA-graph replay, and whether it equals topk_columns_reference.
 from __future__ import annotations
 
 import itertools
+import sys
+from pathlib import Path
 
 import torch
 
-import kvtier.kernels.retrieval_attention as ra
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gpu_timing import replay_us as timed  # noqa: E402
 
-
-def timed(fn, n: int = 20) -> float:
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(n):
-            fn()
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    g.replay()
-    a.record()
-    for _ in range(5):
-        g.replay()
-    b.record()
-    torch.cuda.synchronize()
-    return a.elapsed_time(b) * 1e3 / (5 * n)
+import kvtier.kernels.retrieval_attention as ra  # noqa: E402
 
 
 def main() -> None:
