@@ -99,11 +99,11 @@ PROGRAMS_PER_SM = 4
 MIN_SPLIT_TOKENS = 128
 # Upper bound on the heuristic's splits (B = 1, few kv heads, very long contexts).
 MAX_SPLITS = 64
-# Decode launches with this many splits or more take q into the stored domain (and the output back)
-# in two launches of their own instead of folding both into the split and merge kernels. H100,
-# tools/scratch-style sweep of paged_decode at B = 1 (graph replay, us a call): int8 at 32K, 64
-# splits: folded 61.2, separate 47.1 (plain kernel 43.4); at 4K, 32 splits: folded 12.1, separate
-# 14.6. The folded kernel's page loop runs slower, so the fold pays only for short splits.
+# Decode launches given a NativeDomain with this many splits or more (launch_decode) take q into the
+# stored domain and the output back in two launches of their own instead of folding both into the
+# split and merge kernels. H100, tools/sweep_fold.py, B = 1 (graph replay, us a call): int8 at 32K,
+# 64 splits: folded 61.2, separate 47.1 (plain kernel 43.4); at 4K, 32 splits: folded 12.1,
+# separate 14.6. The folded kernel's page loop runs slower, so the fold pays only for short splits.
 FOLD_MAX_SPLITS = 64
 
 # The kernels' alternate-source offsets (AltPages): never specialised on value.
@@ -664,6 +664,12 @@ def launch_decode(q: torch.Tensor, st: dict[str, torch.Tensor], fmt: KVFormat, t
         out = torch.empty((bsz, hq, d), dtype=q.dtype, device=q.device)
     if bsz == 0:
         return out
+    rotate_out = native is not None and native.rotate_out
+    if native is not None and num_splits >= FOLD_MAX_SPLITS:  # long splits: q moved in a launch of its own
+        from kvtier.kernels.kv_transform import transform_rows
+        if native.rotate_q or native.channel_scale is not None:
+            q = transform_rows(q, native.rotate_q, native.channel_scale)
+        native = None
     single = num_splits == 1
     if single:  # the split kernel writes the output itself
         dst, lse, strides = out, out, (out.stride(0), out.stride(1), 0)
@@ -690,12 +696,12 @@ def launch_decode(q: torch.Tensor, st: dict[str, torch.Tensor], fmt: KVFormat, t
                           selected=lists is not None, sel_valid=lists is not None and lists.valid is not None,
                           alt=alt is not None),
         num_warps=NUM_WARPS, num_stages=NUM_STAGES)
-    rotate_out = native is not None and native.rotate_out
+    merge_rotates = rotate_out and native is not None and not single
     if not single:
         _merge_kernel[(bsz, hq)](dst, lse, out, out.stride(0), out.stride(1), hq, num_splits, D=d,
-                                 CHUNK=MERGE_CHUNK, ROTATE=rotate_out, INV_SQRT_D=inv_sqrt_f32(d),
+                                 CHUNK=MERGE_CHUNK, ROTATE=merge_rotates, INV_SQRT_D=inv_sqrt_f32(d),
                                  num_warps=NUM_WARPS)
-    elif rotate_out:  # one split wrote the output itself: rotate it in one more launch
+    if rotate_out and not merge_rotates:  # one split (it wrote the output itself) or long splits
         from kvtier.kernels.kv_transform import transform_rows
         out.copy_(transform_rows(out, True))
     return out

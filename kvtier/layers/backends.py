@@ -185,7 +185,7 @@ class TritonPagedAttention:
             raise RuntimeError("TritonPagedAttention.plan(meta) must run once before the step's forward")
         if plan is DENSE:
             return self.dense.forward(layer, q, k, v, meta)
-        from kvtier.kernels.paged_attention import FOLD_MAX_SPLITS, paged_decode, paged_prefill
+        from kvtier.kernels.paged_attention import paged_decode, paged_prefill
         store = self.store
         if not meta.step_cache.pop((id(self), layer), False):  # not already written by rope_store
             # decode rows are never at position 0: sink rows come only with prefill chunks
@@ -197,10 +197,9 @@ class TritonPagedAttention:
             table, alt = plan.staged.table, self._stage_layer(layer, plan.staged)
         elif plan.host:
             alt = self.host_alts[layer]  # type: ignore[index]
-        # decode: native_q / native_out folded into the kernels (two launches fewer a layer), unless
-        # the splits are long (the folded page loop is slower: FOLD_MAX_SPLITS)
-        fold = self.native and not plan.prefill and plan.num_splits < FOLD_MAX_SPLITS
-        native = store.kernel_native(layer, q.shape[-1]) if fold else None
+        # decode: native_q / native_out folded into the kernels (two launches fewer a layer; long
+        # splits move them in launches of their own: paged_attention.FOLD_MAX_SPLITS)
+        native = store.kernel_native(layer, q.shape[-1]) if self.native and not plan.prefill else None
         if native is not None:
             return paged_decode(q, store.layers[layer], fmt, table, meta.seq_lens_t, self.scale,
                                 plan.num_splits, sink=sink, native=native, alt=alt)

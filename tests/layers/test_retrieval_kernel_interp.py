@@ -63,14 +63,18 @@ def main() -> None:
                 cases.check_selected(ra, case, sel, splits, use_sink, idx_only, alt=alt)
             except AssertionError as e:
                 failures.append(f"{name} alt gqa={gqa} D={hd}: {e}")
+    import kvtier.kernels.paged_attention as pa
+    fold_max = pa.FOLD_MAX_SPLITS
     for i, name in enumerate(FOLD_FORMATS):
         case = cases.make_case(name, 2, 2, 4, 64, [21, 6], [True, False], torch.float32, "cpu", seed=400 + i)
         sel = cases.make_selection(case, 6, seed=500 + i)
         for splits in (1, 3):
-            try:
-                cases.check_selected_native_fold(ra, case, sel, splits)
-            except AssertionError as e:
-                failures.append(f"{name} folded: {e}")
+            for pa.FOLD_MAX_SPLITS in (fold_max, 1):  # folded, then moved in launches of their own
+                try:
+                    cases.check_selected_native_fold(ra, case, sel, splits)
+                except AssertionError as e:
+                    failures.append(f"{name} folded (FOLD_MAX_SPLITS {pa.FOLD_MAX_SPLITS}): {e}")
+    pa.FOLD_MAX_SPLITS = fold_max
     for i, (hkv, g, d, with_host) in enumerate(SCORE_CASES):
         try:
             check_quest_scores(ra, hkv, g, d, with_host, seed=600 + i)
