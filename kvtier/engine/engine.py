@@ -181,14 +181,19 @@ class Engine:
         return max(2, int(budget // per_page))
 
     # ---- requests -------------------------------------------------------
+    def check_fits(self, n: int, max_tokens: int) -> None:
+        """Raise a ContextOverflowError for n prompt tokens + max_tokens past the context, or a
+        prompt the KV cache could never hold (KVCapacityError). Fixed at start: any thread."""
+        if n + max_tokens > self.max_model_len:
+            raise ContextOverflowError(n, max_tokens, self.max_model_len)
+        if n > self.manager.capacity_tokens:  # its prompt could never be prefilled
+            raise KVCapacityError(n, max_tokens, self.manager.capacity_tokens)
+
     def add_request(self, req: Request) -> None:
         n, mt = len(req.prompt_token_ids), req.params.max_tokens
         if n == 0:
             raise ValueError("the prompt is empty")
-        if n + mt > self.max_model_len:
-            raise ContextOverflowError(n, mt, self.max_model_len)
-        if n > self.manager.capacity_tokens:  # its prompt could never be prefilled
-            raise KVCapacityError(n, mt, self.manager.capacity_tokens)
+        self.check_fits(n, mt)
         if req.request_id in self._seqs:
             raise ValueError(f"duplicate request id {req.request_id!r}")
         if self.pinned_budget is not None:
@@ -243,8 +248,8 @@ class Engine:
                 # running sequences but none got a page and none could be preempted: the one left
                 # has filled both tiers; it would wait forever. What it generated stands ("length").
                 seq = self.scheduler.running[-1]
-                outputs.append(self._finish(seq, "length") if not seq.in_prefill else self._finish(
-                    seq, "error", f"the KV cache holds {self.manager.capacity_tokens:,} tokens"))
+                error = f"the KV cache holds {self.manager.capacity_tokens:,} tokens" if seq.in_prefill else None
+                outputs.append(self._finish(seq, "error" if error else "length", error))
             return outputs
         self._set_threads(batch)
         if self.overlap and self._launchable(batch):
@@ -498,11 +503,7 @@ class AsyncEngine:
         return self
 
     async def generate(self, request: Request) -> AsyncIterator[Output]:
-        n, mt = len(request.prompt_token_ids), request.params.max_tokens
-        if n + mt > self.max_model_len:
-            raise ContextOverflowError(n, mt, self.max_model_len)
-        if n > self.engine.manager.capacity_tokens:  # (fixed at start: read from this thread)
-            raise KVCapacityError(n, mt, self.engine.manager.capacity_tokens)
+        self.engine.check_fits(len(request.prompt_token_ids), request.params.max_tokens)
         q: asyncio.Queue = asyncio.Queue()
         with self._lock:
             self._streams[request.request_id] = (asyncio.get_running_loop(), q)

@@ -209,7 +209,8 @@ def make_plan(spec: ModelSpec, kv_format: str, context: int | None, gpu_limit: i
     if context is not None and context < 1:
         raise ValueError(f"--context must be >= 1, got {context}")
     context = context or spec.max_position_embeddings
-    need_kv = int(-(-context // DEFAULT_PAGE_SIZE) * DEFAULT_PAGE_SIZE * kvpt)  # whole pages
+    page_kv = DEFAULT_PAGE_SIZE * kvpt
+    need_kv = int(-(-context // DEFAULT_PAGE_SIZE) * page_kv)  # whole pages
     problems: list[str] = []
     offload, offload_bytes = 0, 0
     host_fixed = None if host_kv_bytes is None else host_kv_bytes / kvpt  # host tier tokens, if given
@@ -243,7 +244,6 @@ def make_plan(spec: ModelSpec, kv_format: str, context: int | None, gpu_limit: i
             gpu_kv = max(gpu_kv, 0)
         gpu_kv = min(gpu_kv, need_kv)
         if gpu_kv < need_kv:  # the pool in whole pages, so that the host tier's share is whole pages too
-            page_kv = DEFAULT_PAGE_SIZE * kvpt
             gpu_kv = (gpu_kv // page_kv) * page_kv
     host_need = max(0, math.ceil(need_kv - gpu_kv))
     host = host_need if host_kv_bytes is None else host_kv_bytes
