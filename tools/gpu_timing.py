@@ -3,11 +3,14 @@
 - replay_us(fn): GPU time of one call of fn, from `calls` calls captured in one CUDA graph and
   replayed `reps` times (no launch overhead, no host work);
 - synced_steps_ms(engine, n): wall ms of n engine steps, each between two synchronizations;
-- cprofile_steps(engine, n, lines): cProfile of n engine steps, top `lines` by cumulative time.
+- cprofile_steps(engine, n, lines): cProfile of n engine steps, top `lines` by cumulative time;
+- kernel_table(prof, steps): a torch.profiler run's CUDA kernels over `steps` steps: the total
+  us a step and the top rows (us a step, calls a step, us a call, name).
 """
 
 from __future__ import annotations
 
+import collections
 import cProfile
 import io
 import pstats
@@ -56,3 +59,15 @@ def cprofile_steps(engine, n: int, lines: int = 12) -> str:
     s = io.StringIO()
     pstats.Stats(pr, stream=s).sort_stats("cumulative").print_stats(lines)
     return s.getvalue()
+
+
+def kernel_table(prof, steps: int, rows: int = 18, width: int = 90) -> tuple[float, list[str]]:
+    agg: dict[str, list[float]] = collections.defaultdict(lambda: [0, 0.0])
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            agg[e.name[:width]][0] += 1
+            agg[e.name[:width]][1] += e.device_time
+    total = sum(v[1] for v in agg.values()) / steps
+    top = sorted(agg.items(), key=lambda item: -item[1][1])[:rows]
+    return total, [f"  {us / steps:9.1f} us/step  {n / steps:6.1f}/step  {us / n:7.2f} us/call  {name}"
+                   for name, (n, us) in top]

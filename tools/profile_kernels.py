@@ -9,12 +9,12 @@ step's wall time, its summed kernel time and the top kernels (us a step, calls a
 from __future__ import annotations
 
 import argparse
-import collections
 import gc
 import time
 
 import torch
 
+from gpu_timing import kernel_table  # tools/, run as a script
 from kvtier.bench.run import synthetic_ids
 from kvtier.bench.shapes import random_model
 from kvtier.config import CacheConfig, EngineConfig
@@ -41,15 +41,9 @@ def profile_format(net: torch.nn.Module, kv: str, prompt: int, steps: int) -> No
         eng.step()
     torch.cuda.synchronize()
     wall = (time.perf_counter() - t) / steps * 1e3
-    agg: dict[str, list[float]] = collections.defaultdict(lambda: [0, 0.0])
-    for e in prof.events():
-        if e.device_type == torch.autograd.DeviceType.CUDA:
-            agg[e.name[:70]][0] += 1
-            agg[e.name[:70]][1] += e.device_time
-    total = sum(v[1] for v in agg.values()) / steps
+    total, rows = kernel_table(prof, steps, width=70)
     print(f"\n=== kv={kv} prompt={prompt}: wall {wall:.3f} ms a step, GPU kernels {total / 1e3:.3f} ms a step")
-    for name, (n, us) in sorted(agg.items(), key=lambda item: -item[1][1])[:18]:
-        print(f"  {us / steps:9.1f} us/step  {n / steps:6.1f}/step  {us / n:7.2f} us/call  {name}")
+    print("\n".join(rows))
     del eng
     gc.collect()
     torch.cuda.empty_cache()

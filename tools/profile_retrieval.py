@@ -13,7 +13,6 @@ step chose too (whether a GPU cache of selected host pages would hit).
 from __future__ import annotations
 
 import argparse
-import collections
 import gc
 import sys
 import time
@@ -22,7 +21,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpu_timing import cprofile_steps, synced_steps_ms  # noqa: E402
+from gpu_timing import cprofile_steps, kernel_table, synced_steps_ms  # noqa: E402
 
 from kvtier.bench.run import synthetic_ids  # noqa: E402
 from kvtier.bench.shapes import random_model  # noqa: E402
@@ -30,17 +29,6 @@ from kvtier.config import CacheConfig, EngineConfig, RetrievalConfig  # noqa: E4
 from kvtier.engine.engine import Engine  # noqa: E402
 from kvtier.engine.request import Request, SamplingParams  # noqa: E402
 from kvtier.layers.retrieval import RetrievalAttention  # noqa: E402
-
-
-def kernels(prof, steps: int, n: int = 16) -> None:
-    agg: dict[str, list] = collections.defaultdict(lambda: [0, 0.0])
-    for e in prof.events():
-        if e.device_type == torch.autograd.DeviceType.CUDA:
-            agg[e.name[:90]][0] += 1
-            agg[e.name[:90]][1] += e.device_time
-    print(f"   GPU kernel time {sum(v[1] for v in agg.values()) / steps / 1e3:.3f} ms/step")
-    for k, (c, us) in sorted(agg.items(), key=lambda kv: -kv[1][1])[:n]:
-        print(f"   {us / steps:9.1f} us/step {c / steps:6.1f}/step {us / c:8.2f} us/call  {k}")
 
 
 def overlap(sels: list, layer: int) -> None:
@@ -107,7 +95,9 @@ def main() -> None:
             for _ in range(4):
                 eng.step()
             torch.cuda.synchronize()
-        kernels(prof, 4)
+        total, rows = kernel_table(prof, 4, rows=16)
+        print(f"   GPU kernel time {total / 1e3:.3f} ms/step")
+        print("\n".join(rows))
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=10))
         print(cprofile_steps(eng, 6, 22)[-4500:])
         del eng

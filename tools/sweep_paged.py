@@ -14,7 +14,7 @@ import sys
 
 import torch
 
-from gpu_timing import replay_us  # noqa: E402  (tools/, run as a script)
+from gpu_timing import replay_us  # tools/, run as a script
 from kvtier.kernels import paged_attention as pa
 from kvtier.kv.formats import make_format
 from kvtier.kv.pool import PagePool
@@ -46,6 +46,17 @@ def time_case(pool: PagePool, batch: int, ctx: int, splits: int) -> float:
     return replay_us(call, CALLS)
 
 
+def case_row(name: str, pool: PagePool, batch: int, ctx: int, sms: int) -> str:
+    """One case at the heuristic's splits: us a call and GB/s of K/V read (or why it failed)."""
+    splits = pa.choose_num_splits(batch, HKV, ctx, PS, sms)
+    try:
+        us = time_case(pool, batch, ctx, splits)
+    except Exception as e:  # a variant that does not compile (registers, shared memory)
+        return f"{name} B{batch} {ctx // 1024}K: failed {type(e).__name__}"
+    gbs = batch * ctx * pool.fmt.bytes_per_token(HKV, D) / (us * 1e-6) / 1e9
+    return f"{name} B{batch} {ctx // 1024}K s{splits} {us:7.1f}us {gbs:5.0f}GB/s"
+
+
 def main() -> None:
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     pages = max(b * c for b, c in CASES) // PS
@@ -66,14 +77,7 @@ def main() -> None:
         row = []
         for name, pool in pools.items():
             for batch, ctx in CASES:
-                splits = pa.choose_num_splits(batch, HKV, ctx, PS, sms)
-                try:
-                    us = time_case(pool, batch, ctx, splits)
-                except Exception as e:  # a variant that does not compile (registers, shared memory)
-                    row.append(f"{name} B{batch} {ctx // 1024}K: failed {type(e).__name__}")
-                    continue
-                gbs = batch * ctx * pool.fmt.bytes_per_token(HKV, D) / (us * 1e-6) / 1e9
-                row.append(f"{name} B{batch} {ctx // 1024}K s{splits} {us:7.1f}us {gbs:5.0f}GB/s")
+                row.append(case_row(name, pool, batch, ctx, sms))
         print(f"warps {warps} stages {stages} tile {tile:5d} pps {pps}: " + " | ".join(row), flush=True)
     pa.NUM_WARPS, pa.NUM_STAGES, pa.TILE_BYTES, pa.PROGRAMS_PER_SM = base
     pa.LONG_TILE_BYTES = long_tile
@@ -92,10 +96,7 @@ def sweep_splits(pools: dict, sms: int) -> None:
             for batch, ctx in cases:
                 if batch * ctx // PS > pool.num_pages:
                     continue
-                splits = pa.choose_num_splits(batch, HKV, ctx, PS, sms)
-                us = time_case(pool, batch, ctx, splits)
-                gbs = batch * ctx * pool.fmt.bytes_per_token(HKV, D) / (us * 1e-6) / 1e9
-                row.append(f"{name} B{batch} {ctx // 1024}K s{splits} {us:6.1f}us {gbs:5.0f}GB/s")
+                row.append(case_row(name, pool, batch, ctx, sms))
         print(f"programs/SM {pps} max splits {most} min split {least}:\n   " + "\n   ".join(row), flush=True)
     pa.PROGRAMS_PER_SM, pa.MAX_SPLITS, pa.MIN_SPLIT_TOKENS = base
 
