@@ -1,6 +1,6 @@
 """GPU time of paged_decode per launch-parameter variant (CUDA-graph replay: no launch overhead).
 
-    python3 tools/sweep_paged.py [--default | --few | --splits]
+    python3 tools/sweep_paged.py [--default | --few | --splits | --parts | --stages]
 
 For each (warps, stages, tile bytes) variant and each format: B=1 at 32K and B=32 at 8K
 context (Hkv 8, Hq 32, D 128, scattered 16-token pages), 20 calls captured in one graph and
@@ -67,10 +67,15 @@ def main() -> None:
     variants = itertools.product((4, 8), (2, 3), (8192, 16384, 32768), (4,))
     if "--splits" in sys.argv:
         return sweep_splits(pools, sms)
+    if "--parts" in sys.argv:
+        return sweep_parts(pools, sms)
+    if "--stages" in sys.argv:
+        return sweep_stages(pools, sms)
     if "--default" in sys.argv:
         variants = [base]
     elif "--few" in sys.argv:  # the default and longer tiles (what the code formats may want)
         variants = [base, (4, 2, 32768, 4), (8, 2, 32768, 4), (8, 3, 32768, 4)]
+    stages_by_format, pa.DECODE_STAGES = pa.DECODE_STAGES, {}  # every format at the variant's stages
     for warps, stages, tile, pps in variants:
         pa.NUM_WARPS, pa.NUM_STAGES, pa.TILE_BYTES, pa.PROGRAMS_PER_SM = warps, stages, tile, pps
         pa.LONG_TILE_BYTES = long_tile if tile == base[2] else tile  # a variant row: one tile everywhere
@@ -80,7 +85,29 @@ def main() -> None:
                 row.append(case_row(name, pool, batch, ctx, sms))
         print(f"warps {warps} stages {stages} tile {tile:5d} pps {pps}: " + " | ".join(row), flush=True)
     pa.NUM_WARPS, pa.NUM_STAGES, pa.TILE_BYTES, pa.PROGRAMS_PER_SM = base
-    pa.LONG_TILE_BYTES = long_tile
+    pa.LONG_TILE_BYTES, pa.DECODE_STAGES = long_tile, stages_by_format
+
+
+def sweep_parts(pools: dict, sms: int) -> None:
+    """--parts: int8 V tiles as one interleaved tile vs four column sets, one dot each
+    (paged_attention.code_parts)."""
+    base = pa.PARTS_DECODE
+    for parts in (False, True):
+        pa.PARTS_DECODE = parts
+        row = [case_row(name, pool, batch, ctx, sms) for name, pool in pools.items() if name != "bf16"
+               for batch, ctx in CASES]
+        print(f"parts {parts}:\n   " + "\n   ".join(row), flush=True)
+    pa.PARTS_DECODE = base
+
+
+def sweep_stages(pools: dict, sms: int) -> None:
+    """--stages: pipeline stages of the split kernel per format (paged_attention.DECODE_STAGES), B = 1."""
+    base = dict(pa.DECODE_STAGES)
+    for stages in (1, 2, 3):
+        pa.DECODE_STAGES = {name: stages for name in pools}
+        row = [case_row(name, pool, 1, ctx, sms) for name, pool in pools.items() for ctx in (32768, 4096)]
+        print(f"stages {stages}:\n   " + "\n   ".join(row), flush=True)
+    pa.DECODE_STAGES = base
 
 
 def sweep_splits(pools: dict, sms: int) -> None:

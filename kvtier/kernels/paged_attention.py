@@ -106,6 +106,16 @@ MAX_SPLITS = 64
 # separate 14.6. The folded kernel's page loop runs slower, so the fold pays only for short splits.
 FOLD_MAX_SPLITS = 64
 
+# The split kernel's int8 V tiles as four column sets, one tl.dot each (`code_parts`). H100,
+# tools/sweep_paged.py --parts, int8 pages, us a call: B1 32K 46.1 -> 42.4, B32 8K 275.4 -> 265.3,
+# B1 4K 11.4 -> 10.8. The same split of int8 K tiles (q split once) and of int4 tiles (eight nibble
+# sets) measured slower (int4 V: 57.4 -> 86.7 us for k8v4 at 32K) and is not built.
+PARTS_DECODE = True
+# Pipeline stages of the split kernel per KV format where the default is not the fastest: H100,
+# B = 1, us a call at 32K / 4K (tools/sweep_paged.py --stages): k8v4 (int8 K, int4 V) 2 stages
+# 58.4 / 11.9, 1 stage 47.6 / 12.1; int8 and int4 pages were fastest at the default 2.
+DECODE_STAGES = {"k8v4": 1}
+
 # The kernels' alternate-source offsets (AltPages): never specialised on value.
 ALT_ARGS = ("ad_k", "ad_ks", "ad_v", "ad_vs", "ad_sk", "ad_sv", "ad_slot")
 
@@ -211,6 +221,52 @@ if HAVE_TRITON:
         return low, high
 
     @triton.jit
+    def _cols4(x, R: tl.constexpr, D: tl.constexpr):
+        """x [R, D] -> its columns 4i + j for j = 0, 1, 2, 3: four [R, D / 4] (`_join4` inverts)."""
+        c0, c1 = tl.split(tl.reshape(x, (R, D // 4, 2, 2)))  # d = 4i + 2a + c: split on c, then on a
+        x0, x2 = tl.split(c0)
+        x1, x3 = tl.split(c1)
+        return x0, x1, x2, x3
+
+    @triton.jit
+    def _join4(x0, x1, x2, x3, R: tl.constexpr, D: tl.constexpr):
+        """Inverse of `_cols4` (tl.join adds a last, fastest axis: the inner join picks a, the outer c)."""
+        return tl.reshape(tl.join(tl.join(x0, x2), tl.join(x1, x3)), (R, D))
+
+    @triton.jit
+    def _half_f16(x, HI: tl.constexpr):
+        """One fp16 of an int32 pair as fp16 (HI: bits 16..31)."""
+        if HI:
+            x = x >> 16
+        return (x & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True)
+
+    @triton.jit
+    def _int8_parts(data_ptr, scale_ptr, row, srow, valid, D: tl.constexpr):
+        """int8 rows [BLOCK_N] -> their columns 4i + j (j = 0..3) as fp16 codes [BLOCK_N, D / 4] (exact)
+        and the row scale [BLOCK_N] fp32: `_tile`'s 16-bit int8 decode without the interleave, for
+        one tl.dot a column set (`PARTS`)."""
+        wp = data_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
+        w = tl.load(wp + row[:, None] * (D // 4) + tl.arange(0, D // 4)[None, :], mask=valid[:, None], other=0)
+        u = w ^ SIGN_BITS
+        lo = (u & LOW_BYTES) | FP16_1024X2  # bytes 0 and 2
+        hi = ((u >> 8) & LOW_BYTES) | FP16_1024X2  # bytes 1 and 3
+        rs = tl.load(scale_ptr + srow, mask=valid, other=0.0).to(tl.float32)
+        return (_half_f16(lo, False) - 1152.0, _half_f16(hi, False) - 1152.0, _half_f16(lo, True) - 1152.0,
+                _half_f16(hi, True) - 1152.0, rs)
+
+    @triton.jit
+    def _kv_rows(page, h, in_page, ad_k, ad_ks, ad_v, ad_vs, Hkv, S: tl.constexpr, ALT: tl.constexpr):
+        """Rows of the K data, K scale, V data and V scale tensors of the tokens at page ids `page`
+        (ALT: a negative id is page -1 - id of the alternate source, ad_* rows from the pool's)."""
+        if ALT:
+            alt = page < 0
+            row = (tl.where(alt, -1 - page, page) * Hkv + h) * S + in_page
+            return (row + tl.where(alt, ad_k, 0), row + tl.where(alt, ad_ks, 0), row + tl.where(alt, ad_v, 0),
+                    row + tl.where(alt, ad_vs, 0))
+        row = (page * Hkv + h) * S + in_page
+        return row, row, row, row
+
+    @triton.jit
     def _native_q(q_rows, qm, cs_ptr, dtype: tl.constexpr, D: tl.constexpr, G_PAD: tl.constexpr,
                   SMOOTH: tl.constexpr, ROTATE: tl.constexpr, INV_SQRT_D: tl.constexpr):
         """R (channel_scale * q) of the G query rows at q_rows, rounded to q's dtype as
@@ -274,14 +330,7 @@ if HAVE_TRITON:
         """K and V tiles (with row scales) of the tokens at page ids `page` (int64 [BLOCK_N]),
         offsets in_page, kv head h. ALT: a negative id is page -1 - id of the alternate source,
         whose tensors sit ad_* rows from the pool's (AltPages)."""
-        if ALT:
-            alt = page < 0
-            row = (tl.where(alt, -1 - page, page) * Hkv + h) * S + in_page
-            k_row, ks_row = row + tl.where(alt, ad_k, 0), row + tl.where(alt, ad_ks, 0)
-            v_row, vs_row = row + tl.where(alt, ad_v, 0), row + tl.where(alt, ad_vs, 0)
-        else:
-            row = (page * Hkv + h) * S + in_page
-            k_row, ks_row, v_row, vs_row = row, row, row, row
+        k_row, ks_row, v_row, vs_row = _kv_rows(page, h, in_page, ad_k, ad_ks, ad_v, ad_vs, Hkv, S, ALT)
         k, ks = _tile(k_ptr, ks_ptr, k_row, ks_row, valid, K_MODE, D, K_GROUP, BLOCK_N, BIAS, K_HALF)
         v, vs = _tile(v_ptr, vs_ptr, v_row, vs_row, valid, V_MODE, D, V_GROUP, BLOCK_N, BIAS, V_HALF)
         return k, ks, v, vs
@@ -297,7 +346,7 @@ if HAVE_TRITON:
                       V_GROUP: tl.constexpr, BIAS: tl.constexpr, HAS_SINK: tl.constexpr,
                       SINGLE: tl.constexpr, DOT_PREC: tl.constexpr, Q_SMOOTH: tl.constexpr,
                       Q_ROTATE: tl.constexpr, INV_SQRT_D: tl.constexpr, SELECTED: tl.constexpr,
-                      SEL_VALID: tl.constexpr, ALT: tl.constexpr):
+                      SEL_VALID: tl.constexpr, ALT: tl.constexpr, V_PARTS: tl.constexpr = 1):
         """One (sequence b, kv head h, split sp): softmax partial of the G query heads of h.
 
         SELECTED (retrieval_attention.paged_decode_selected): row b's kv head h reads its own
@@ -308,6 +357,8 @@ if HAVE_TRITON:
         page index 0: the split holding that entry finds it first and starts from the sink row.
         ALT (either mode): a negative page id is page -1 - id of the alternate source (AltPages:
         pinned host pages read over the bus, or a staging copy), at ad_* rows from the pool's.
+        V_PARTS 4 (int8 V, 16-bit q; `code_parts`): the V code tile stays in the column sets of a 32-bit
+        word's four bytes (`_int8_parts`), one tl.dot and one accumulator a set, joined after the loop.
         """
         b = tl.program_id(0)
         h = tl.program_id(1)
@@ -350,6 +401,8 @@ if HAVE_TRITON:
             m_i, l_i, acc = _sink_start(q, sk_ptr + tl.where(s_alt, ad_sk, 0), sv_ptr + tl.where(s_alt, ad_sv, 0),
                                         (tl.maximum(slot, 0) * Hkv + h) * D, use, qk_scale, m_i, l_i, acc, D)
 
+        if V_PARTS == 4:
+            acc0, acc1, acc2, acc3 = _cols4(acc, G_PAD, D)
         offs = tl.arange(0, BLOCK_N)
         in_page = offs % S
         for p0 in range(p_lo, p_hi, PAGES):
@@ -370,9 +423,13 @@ if HAVE_TRITON:
                 if HAS_SINK:
                     valid = valid & (tok >= t_lo)
                 page = tl.load(bt_ptr + b * stride_bt + pidx, mask=pidx < p_hi, other=0).to(tl.int64)
-            k, ks, v, vs = _kv_tiles(k_ptr, ks_ptr, v_ptr, vs_ptr, page, h, in_page, valid, ad_k, ad_ks, ad_v,
-                                     ad_vs, Hkv, S, D, K_MODE, V_MODE, K_GROUP, V_GROUP, BLOCK_N, BIAS, half,
-                                     half, ALT)
+            if V_PARTS > 1:
+                k_row, ks_row, v_row, vs_row = _kv_rows(page, h, in_page, ad_k, ad_ks, ad_v, ad_vs, Hkv, S, ALT)
+                k, ks = _tile(k_ptr, ks_ptr, k_row, ks_row, valid, K_MODE, D, K_GROUP, BLOCK_N, BIAS, half)
+            else:
+                k, ks, v, vs = _kv_tiles(k_ptr, ks_ptr, v_ptr, vs_ptr, page, h, in_page, valid, ad_k, ad_ks, ad_v,
+                                         ad_vs, Hkv, S, D, K_MODE, V_MODE, K_GROUP, V_GROUP, BLOCK_N, BIAS, half,
+                                         half, ALT)
             if K_MODE == MODE_PLAIN or q.dtype == tl.float32:
                 s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PREC)  # [G_PAD, BLOCK_N]
             else:  # fp16 code tiles: the dot in fp16 (q cast once), no conversion of the tile
@@ -385,14 +442,25 @@ if HAVE_TRITON:
             alpha = tl.exp2(m_i - m_use)
             p = tl.exp2(s - m_use[:, None])
             l_i = l_i * alpha + tl.sum(p, axis=1)
-            if V_MODE == MODE_INT8 or V_MODE == MODE_FP8:
-                p = p * vs[None, :]
-            if V_MODE == MODE_PLAIN or q.dtype == tl.float32:
-                pv = tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=DOT_PREC)
+            if V_PARTS == 4:
+                v0, v1, v2, v3, vs = _int8_parts(v_ptr, vs_ptr, v_row, vs_row, valid, D)
+                p16 = (p * vs[None, :]).to(tl.float16)
+                acc0 = tl.dot(p16, v0, acc0 * alpha[:, None])
+                acc1 = tl.dot(p16, v1, acc1 * alpha[:, None])
+                acc2 = tl.dot(p16, v2, acc2 * alpha[:, None])
+                acc3 = tl.dot(p16, v3, acc3 * alpha[:, None])
             else:
-                pv = tl.dot(p.to(tl.float16), v, input_precision=DOT_PREC)
-            acc = acc * alpha[:, None] + pv
+                if V_MODE == MODE_INT8 or V_MODE == MODE_FP8:
+                    p = p * vs[None, :]
+                if V_MODE == MODE_PLAIN or q.dtype == tl.float32:
+                    pv = tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=DOT_PREC)
+                else:
+                    pv = tl.dot(p.to(tl.float16), v, input_precision=DOT_PREC)
+                acc = acc * alpha[:, None] + pv
             m_i = m_new
+
+        if V_PARTS == 4:
+            acc = _join4(acc0, acc1, acc2, acc3, G_PAD, D)
 
         l_safe = tl.where(l_i == 0.0, 1.0, l_i)  # empty split (or seq_len 0): acc is 0, so is o
         o = acc / l_safe[:, None]
@@ -481,7 +549,22 @@ def split_constants(fmt: KVFormat, head_dim: int, page_size: int, gqa: int, dtyp
                     INV_SQRT_D=inv_sqrt_f32(head_dim))
     return dict(S=page_size, D=head_dim, G_PAD=max(MIN_DOT_ROWS, _pow2(gqa)), PAGES=pages,
                 HAS_SINK=has_sink, SINGLE=single, SELECTED=selected, SEL_VALID=sel_valid, ALT=alt, **fold,
+                V_PARTS=code_parts(fmt.v_codec, head_dim, dtype),
                 **_codec_constants(fmt, head_dim, dtype))
+
+
+def code_parts(codec: Codec, head_dim: int, dtype: torch.dtype) -> int:
+    """Column sets the split kernel keeps a V code tile in (1: one tile, `_tile`): int8 codes with a
+    16-bit q as the four byte positions of a 32-bit word, each set a tl.dot of its own (>= 16
+    columns), so nothing interleaves the decoded codes back into d order inside the page loop."""
+    if not PARTS_DECODE or dtype == torch.float32 or not _is_pow2(head_dim):
+        return 1
+    return 4 if isinstance(codec, Int8Codec) and head_dim // 4 >= MIN_DOT_ROWS else 1
+
+
+def decode_stages(fmt: KVFormat) -> int:
+    """Pipeline stages of the split kernel for pages in `fmt` (DECODE_STAGES, else NUM_STAGES)."""
+    return DECODE_STAGES.get(fmt.name, NUM_STAGES)
 
 
 def choose_num_splits(batch: int, kv_heads: int, max_context: int, page_size: int, num_sms: int) -> int:
@@ -695,7 +778,7 @@ def launch_decode(q: torch.Tensor, st: dict[str, torch.Tensor], fmt: KVFormat, t
         **split_constants(fmt, d, s, hq // hkv, q.dtype, sink is not None, single, num_splits, native,
                           selected=lists is not None, sel_valid=lists is not None and lists.valid is not None,
                           alt=alt is not None),
-        num_warps=NUM_WARPS, num_stages=NUM_STAGES)
+        num_warps=NUM_WARPS, num_stages=decode_stages(fmt))
     merge_rotates = rotate_out and native is not None and not single
     if not single:
         _merge_kernel[(bsz, hq)](dst, lse, out, out.stride(0), out.stride(1), hq, num_splits, D=d,

@@ -216,13 +216,19 @@ INTERP_CASES += [
     ("fp8", 2, 4, 16, [11, 26], [True, True], torch.float16),
     ("k8v4", 2, 4, 64, [37, 3], [True, False], torch.float16),  # word-wise int8 / int4 -> fp16 decode
     ("int4", 1, 4, 32, [21, 6], [False, True], torch.float16),
+    # int8 V tiles as column sets, one dot a set (paged_attention.code_parts), from D = 64
+    ("int8", 2, 4, 64, [23, 9], [True, False], torch.float16),
+    ("k8v4", 2, 4, 128, [37, 3], [True, False], torch.float16),
+    ("int4", 1, 4, 128, [21, 6], [False, True], torch.float16),  # (one int4 tile: parts measured slower)
 ]
 # Negative page ids read from a second source (AltPages): a few formats, sinks on first pages.
 ALT_CASES = [("fp32", 2, 4, 16, LENS, SINKS, torch.float32), ("int8", 1, 4, 16, [29, 9], [True, True], torch.float32),
              ("k8v4", 2, 4, 32, [37, 3], [True, False], torch.float16),
-             ("int4", 2, 4, 64, [21, 18], [True, True], torch.float32)]
+             ("int4", 2, 4, 64, [21, 18], [True, True], torch.float32),
+             ("k8v4", 1, 4, 128, [29, 5], [True, False], torch.float16)]
 # Folded native domain (NativeDomain): (format, gqa, head_dim, q dtype); D = 64 takes two R chunks.
-FOLD_CASES = [("int8", 2, 64, torch.float32), ("k8v4", 2, 32, torch.float16), ("int4", 1, 16, torch.float32)]
+FOLD_CASES = [("int8", 2, 64, torch.float32), ("k8v4", 2, 32, torch.float16), ("int4", 1, 16, torch.float32),
+              ("k8v4", 2, 128, torch.float16)]
 # (num_splits, with sinks): splits 1 with and without sinks, 3 with (each ~18 ms a program here)
 INTERP_RUNS = ((1, False), (1, True), (3, True))
 
