@@ -244,7 +244,7 @@ if HAVE_TRITON:
     def _int8_parts(data_ptr, scale_ptr, row, srow, valid, D: tl.constexpr):
         """int8 rows [BLOCK_N] -> their columns 4i + j (j = 0..3) as fp16 codes [BLOCK_N, D / 4] (exact)
         and the row scale [BLOCK_N] fp32: `_tile`'s 16-bit int8 decode without the interleave, for
-        one tl.dot a column set (`PARTS`)."""
+        one tl.dot a column set (the split kernel's V_PARTS)."""
         wp = data_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
         w = tl.load(wp + row[:, None] * (D // 4) + tl.arange(0, D // 4)[None, :], mask=valid[:, None], other=0)
         u = w ^ SIGN_BITS
