@@ -181,6 +181,27 @@ def _x_pair(x1, col, a: tl.constexpr, b: tl.constexpr, scale: tl.constexpr, ASM:
 
 
 @triton.jit
+def _x_pairs_vec(x1, col, CPW: tl.constexpr, ROWS: tl.constexpr, scale: tl.constexpr, ASM: tl.constexpr):
+    """x of a program's slice in one contiguous load a word (CPW values: 16 bytes of bf16 at 4 bits),
+    paired in registers: (xa, xb, xc, xd) as `_x_pair` gives them ((c_j, c_j+4) at 4 bits, (c_j, c_j+2)
+    at 8; xc, xd repeat xa, xb there) and each chunk's fp32 sum of x. col: [CPT, 1, LANES, 4] first
+    column of each word. Every row step's warp loads its own copy ([CPT, ROWS, LANES, ...], the codes'
+    shape): L1 serves the repeats, and no layout conversion spreads one copy over the warps."""
+    col = col + tl.zeros([1, ROWS, 1, 1], tl.int32)
+    xw = tl.load(x1 + col[:, :, :, :, None] + tl.arange(0, CPW)[None, None, None, None, :]).to(tl.float32)
+    xsum = tl.sum(tl.sum(xw, axis=4), axis=3)  # [CPT, ROWS, LANES]: the chunk's 4 words
+    halves = tl.reshape(xw * scale, xw.shape[:-1] + [2, CPW // 2])  # e = (CPW / 2) h + j
+    lo, hi = tl.split(tl.permute(halves, 0, 1, 2, 3, 5, 4))  # [..., j]: x[e = j], x[e = CPW / 2 + j]
+    pairs = _pack_half2(lo, hi, ASM)  # [CPT, ROWS, LANES, 4, CPW / 2]
+    if CPW == 8:
+        xa, xb, xc, xd = _split4(pairs)
+    else:
+        xa, xb = tl.split(pairs)
+        xc, xd = xa, xb
+    return xa, xb, xc, xd, xsum
+
+
+@triton.jit
 def _gemv_rows(q_ptr, s_ptr, mn_ptr, r0, N, WPR, GPR, woff, goff, ROWS: tl.constexpr, HAS_MINS: tl.constexpr):
     """Code words [CPT, ROWS, LANES, 4] and scales, mins [CPT, ROWS, LANES] of rows r0 .. r0 + ROWS."""
     rows = tl.minimum(r0 + tl.arange(0, ROWS), N - 1).to(tl.int64)[None, :, None]  # [1, ROWS, 1]
@@ -200,7 +221,7 @@ def _gemv_kernel(x_ptr, q_ptr, s_ptr, mn_ptr, b_ptr, r_ptr, y_ptr, p_ptr, M, N, 
                  BITS: tl.constexpr, GROUP: tl.constexpr, HAS_MINS: tl.constexpr, HAS_BIAS: tl.constexpr,
                  HAS_RES: tl.constexpr, BLOCK_N: tl.constexpr, ROWS: tl.constexpr, LANES: tl.constexpr,
                  CPT: tl.constexpr, PARTIAL: tl.constexpr, PREFETCH: tl.constexpr, ASM: tl.constexpr,
-                 DOT_PREC: tl.constexpr):
+                 DOT_PREC: tl.constexpr, VEC_X: tl.constexpr = False):
     """Program (x row, row block, K slice): module docstring. q_ptr: the codes as int32 words."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -215,7 +236,9 @@ def _gemv_kernel(x_ptr, q_ptr, s_ptr, mn_ptr, b_ptr, r_ptr, y_ptr, p_ptr, M, N, 
     c4 = c3[:, :, :, None]
     col = k_lo + c4 * CH + tl.arange(0, 4)[None, None, None, :] * CPW  # first column of each word
     x1 = x_ptr + pid_m.to(tl.int64) * stride_xm
-    if BITS == 4:
+    if VEC_X:
+        xa, xb, xc, xd, xsum = _x_pairs_vec(x1, col, CPW, ROWS, XSCALE, ASM)
+    elif BITS == 4:
         xa = _x_pair(x1, col, 0, 4, XSCALE, ASM)
         xb = _x_pair(x1, col, 1, 5, XSCALE, ASM)
         xc = _x_pair(x1, col, 2, 6, XSCALE, ASM)
@@ -225,7 +248,8 @@ def _gemv_kernel(x_ptr, q_ptr, s_ptr, mn_ptr, b_ptr, r_ptr, y_ptr, p_ptr, M, N, 
         xb = _x_pair(x1, col, 1, 3, XSCALE, ASM)
         xc = xa  # unused by the 8-bit chunk
         xd = xb
-    xsum = tl.sum(tl.load(x1 + k_lo + c4 * CH + tl.arange(0, CH)[None, None, None, :]).to(tl.float32), axis=3)
+    if not VEC_X:
+        xsum = tl.sum(tl.load(x1 + k_lo + c4 * CH + tl.arange(0, CH)[None, None, None, :]).to(tl.float32), axis=3)
     WPR = K // CPW
     GPR = K // GROUP
     woff = k_lo // CPW + c3 * 4

@@ -178,6 +178,13 @@ class GemvConfig:
     chunks: int = 4
     num_warps: int = 4
     prefetch: bool = True
+    # x of the slice loaded a word (16 bytes) at a time, each warp its own copy, and paired in
+    # registers, instead of one 2-byte load a value and a second load for the chunk sums. Offline
+    # sm_90 build, 4-bit, 4 chunks: the program's prologue 398 -> 382 instructions (no 2-byte x loads;
+    # the 33 barriers of the x pairs' layout conversions stay), its loop 328 a 4-row step either way.
+    # A program of 8 rows (o_proj at M = 1) spends as much on the prologue as on its codes. Off until
+    # a GPU sweep (tools/sweep_wq.py "vector_x" rows) times it.
+    vector_x: bool = False
 
 
 # Defaults by regime (to be replaced by the sweep's winners, tools/sweep_wq.py).
@@ -672,7 +679,8 @@ def wq_gemv(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None = None,
     grid = (mrows, triton.cdiv(n, block_n), split)
     _gemv_kernel[grid](x, w.qweight.view(torch.int32), w.scales, mins, b, r, y, part, mrows, n, k, x.stride(0),
                        stride_rm, BLOCK_N=block_n, ROWS=rows, LANES=lanes, CPT=cpt, PARTIAL=split > 1,
-                       PREFETCH=cfg.prefetch, ASM=not INTERPRETED, num_warps=cfg.num_warps, **const)
+                       PREFETCH=cfg.prefetch, ASM=not INTERPRETED, VEC_X=cfg.vector_x, num_warps=cfg.num_warps,
+                       **const)
     if split > 1:
         _reduce_kernel[(mrows, triton.cdiv(n, REDUCE_BLOCK))](
             part, b, r, y, mrows, n, split, stride_rm, HAS_BIAS=bias is not None, HAS_RES=residual is not None,

@@ -92,3 +92,16 @@ def test_selection_kernels_compile() -> None:
     _compile(ra._summary_rows_kernel, {"slot_ptr": "*i64", "k_ptr": "*bf16", "kmin_ptr": "*fp32",
                                        "kmax_ptr": "*fp32", "ksum_ptr": "*fp32", "cnt_ptr": "*i32"},
              dict(D=128), warps=1)
+
+
+@pytest.mark.parametrize("vector_x", [False, True])
+@pytest.mark.parametrize("bits", [4, 8])
+def test_gemv_kernel_compiles(bits: int, vector_x: bool) -> None:
+    """The half2 GEMV (inline PTX; x paired in registers with vector_x) builds for sm_90."""
+    pytest.importorskip("triton")
+    import kvtier.kernels.wq_kernels as wk
+    const = dict(BITS=bits, GROUP=32, HAS_MINS=bits == 4, HAS_BIAS=False, HAS_RES=True, BLOCK_N=16, ROWS=4, LANES=32,
+                 CPT=4, PARTIAL=False, PREFETCH=True, ASM=True, DOT_PREC="tf32", VEC_X=vector_x)
+    ptrs = {"x_ptr": "*bf16", "q_ptr": "*i32", "s_ptr": "*fp16", "mn_ptr": "*fp16", "b_ptr": "*bf16",
+            "r_ptr": "*bf16", "y_ptr": "*bf16", "p_ptr": "*fp32"}
+    _compile(wk._gemv_kernel, ptrs, const, stages=1)

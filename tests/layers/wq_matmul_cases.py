@@ -108,6 +108,8 @@ def paths(wq: ModuleType, interpreted: bool) -> dict[str, Callable]:
         "gemv": gv(gemv),
         "gemv_split_no_prefetch": gv(replace(gemv_split, prefetch=False)),
         "gemv_split": gv(gemv_split),
+        "gemv_vector_x": gv(replace(gemv, vector_x=True)),
+        "gemv_split_vector_x": gv(replace(gemv_split, vector_x=True)),
         "fma": sk(base),
         "fma_magic": sk(s(**tile, cvt="magic")),
         "fma_dequant_first": sk(s(**tile, group_scale=False)),
