@@ -248,8 +248,11 @@ class Engine:
                 # running sequences but none got a page and none could be preempted: the one left
                 # has filled both tiers; it would wait forever. What it generated stands ("length").
                 seq = self.scheduler.running[-1]
-                error = f"the KV cache holds {self.manager.capacity_tokens:,} tokens" if seq.in_prefill else None
-                outputs.append(self._finish(seq, "error" if error else "length", error))
+                if seq.in_prefill:
+                    outputs.append(self._finish(seq, "error", f"the KV cache holds {self.manager.capacity_tokens:,} "
+                                                              "tokens"))
+                else:
+                    outputs.append(self._finish(seq, "length"))
             return outputs
         self._set_threads(batch)
         if self.overlap and self._launchable(batch):

@@ -183,21 +183,8 @@ if HAVE_TRITON:
                 hi = hi.to(tl.float16)
             tile = tl.reshape(tl.join(lo, hi), (BLOCK_N, D))  # interleaved back to d order
         elif MODE == MODE_INT8 and HALF:
-            # four codes a 32-bit word, turned into fp16 with integer ops instead of one I2F (and
-            # a byte extract) per code: (code + 128) | 0x6400 is the fp16 1024 + code + 128, exact
-            wp = data_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
-            w = tl.load(wp + row[:, None] * (D // 4) + tl.arange(0, D // 4)[None, :], mask=valid[:, None],
-                        other=0)  # [BLOCK_N, D / 4]
-            u = w ^ SIGN_BITS  # each byte + 128 (mod 256): unsigned 0..255
-            lo = (u & LOW_BYTES) | FP16_1024X2  # bytes 0 and 2 as fp16 pairs
-            hi = ((u >> 8) & LOW_BYTES) | FP16_1024X2  # bytes 1 and 3
-            b0 = (lo & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True) - 1152.0
-            b2 = (lo >> 16).to(tl.int16).to(tl.float16, bitcast=True) - 1152.0
-            b1 = (hi & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True) - 1152.0
-            b3 = (hi >> 16).to(tl.int16).to(tl.float16, bitcast=True) - 1152.0
-            # tl.join adds a last (fastest) axis: the outer join picks the low bit of the index
-            tile = tl.reshape(tl.join(tl.join(b0, b2), tl.join(b1, b3)), (BLOCK_N, D))
-            rs = tl.load(scale_ptr + srow, mask=valid, other=0.0).to(tl.float32)
+            b0, b1, b2, b3, rs = _int8_parts(data_ptr, scale_ptr, row, srow, valid, D)
+            tile = _join4(b0, b1, b2, b3, BLOCK_N, D)
         else:
             x = tl.load(data_ptr + row[:, None] * D + tl.arange(0, D)[None, :], mask=valid[:, None], other=0)
             if MODE == MODE_PLAIN:
@@ -216,9 +203,7 @@ if HAVE_TRITON:
     def _nibbles_f16(w, shift: tl.constexpr):
         """Nibbles `shift` and `shift + 16` of int32 words -> (low, high) fp16 code - 8 (exact)."""
         x = ((w >> shift) & LOW_NIBBLES) | FP16_1024X2
-        low = (x & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True) - 1032.0
-        high = (x >> 16).to(tl.int16).to(tl.float16, bitcast=True) - 1032.0
-        return low, high
+        return _half_f16(x, False) - 1032.0, _half_f16(x, True) - 1032.0
 
     @triton.jit
     def _cols4(x, R: tl.constexpr, D: tl.constexpr):
@@ -243,12 +228,14 @@ if HAVE_TRITON:
     @triton.jit
     def _int8_parts(data_ptr, scale_ptr, row, srow, valid, D: tl.constexpr):
         """int8 rows [BLOCK_N] -> their columns 4i + j (j = 0..3) as fp16 codes [BLOCK_N, D / 4] (exact)
-        and the row scale [BLOCK_N] fp32: `_tile`'s 16-bit int8 decode without the interleave, for
-        one tl.dot a column set (the split kernel's V_PARTS)."""
+        and the row scale [BLOCK_N] fp32: the 16-bit int8 decode, before `_tile` interleaves the sets
+        back into d order (the split kernel's V_PARTS dots them as they are). Four codes a 32-bit word
+        become fp16 by integer ops instead of one I2F (and a byte extract) per code: (code + 128) |
+        0x6400 is the fp16 1024 + code + 128, exact."""
         wp = data_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
         w = tl.load(wp + row[:, None] * (D // 4) + tl.arange(0, D // 4)[None, :], mask=valid[:, None], other=0)
-        u = w ^ SIGN_BITS
-        lo = (u & LOW_BYTES) | FP16_1024X2  # bytes 0 and 2
+        u = w ^ SIGN_BITS  # each byte + 128 (mod 256): unsigned 0..255
+        lo = (u & LOW_BYTES) | FP16_1024X2  # bytes 0 and 2 as fp16 pairs
         hi = ((u >> 8) & LOW_BYTES) | FP16_1024X2  # bytes 1 and 3
         rs = tl.load(scale_ptr + srow, mask=valid, other=0.0).to(tl.float32)
         return (_half_f16(lo, False) - 1152.0, _half_f16(hi, False) - 1152.0, _half_f16(lo, True) - 1152.0,
@@ -423,13 +410,10 @@ if HAVE_TRITON:
                 if HAS_SINK:
                     valid = valid & (tok >= t_lo)
                 page = tl.load(bt_ptr + b * stride_bt + pidx, mask=pidx < p_hi, other=0).to(tl.int64)
-            if V_PARTS > 1:
-                k_row, ks_row, v_row, vs_row = _kv_rows(page, h, in_page, ad_k, ad_ks, ad_v, ad_vs, Hkv, S, ALT)
-                k, ks = _tile(k_ptr, ks_ptr, k_row, ks_row, valid, K_MODE, D, K_GROUP, BLOCK_N, BIAS, half)
-            else:
-                k, ks, v, vs = _kv_tiles(k_ptr, ks_ptr, v_ptr, vs_ptr, page, h, in_page, valid, ad_k, ad_ks, ad_v,
-                                         ad_vs, Hkv, S, D, K_MODE, V_MODE, K_GROUP, V_GROUP, BLOCK_N, BIAS, half,
-                                         half, ALT)
+            k_row, ks_row, v_row, vs_row = _kv_rows(page, h, in_page, ad_k, ad_ks, ad_v, ad_vs, Hkv, S, ALT)
+            k, ks = _tile(k_ptr, ks_ptr, k_row, ks_row, valid, K_MODE, D, K_GROUP, BLOCK_N, BIAS, half)
+            if V_PARTS == 1:  # (V_PARTS 4: the sets are loaded at the P @ V product below)
+                v, vs = _tile(v_ptr, vs_ptr, v_row, vs_row, valid, V_MODE, D, V_GROUP, BLOCK_N, BIAS, half)
             if K_MODE == MODE_PLAIN or q.dtype == tl.float32:
                 s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PREC)  # [G_PAD, BLOCK_N]
             else:  # fp16 code tiles: the dot in fp16 (q cast once), no conversion of the tile

@@ -181,12 +181,27 @@ def _x_pair(x1, col, a: tl.constexpr, b: tl.constexpr, scale: tl.constexpr, ASM:
 
 
 @triton.jit
+def _x_pairs(x1, col, CPW: tl.constexpr, scale: tl.constexpr, ASM: tl.constexpr):
+    """(xa, xb, xc, xd): the fp16 pairs of x each word's chunk math takes ((c_j, c_j+4) at 4 bits,
+    (c_j, c_j+2) at 8, where xc, xd repeat xa, xb unused), one 2-byte load a value."""
+    if CPW == 8:
+        xa = _x_pair(x1, col, 0, 4, scale, ASM)
+        xb = _x_pair(x1, col, 1, 5, scale, ASM)
+        xc = _x_pair(x1, col, 2, 6, scale, ASM)
+        xd = _x_pair(x1, col, 3, 7, scale, ASM)
+    else:
+        xa = _x_pair(x1, col, 0, 2, scale, ASM)
+        xb = _x_pair(x1, col, 1, 3, scale, ASM)
+        xc, xd = xa, xb
+    return xa, xb, xc, xd
+
+
+@triton.jit
 def _x_pairs_vec(x1, col, CPW: tl.constexpr, ROWS: tl.constexpr, scale: tl.constexpr, ASM: tl.constexpr):
-    """x of a program's slice in one contiguous load a word (CPW values: 16 bytes of bf16 at 4 bits),
-    paired in registers: (xa, xb, xc, xd) as `_x_pair` gives them ((c_j, c_j+4) at 4 bits, (c_j, c_j+2)
-    at 8; xc, xd repeat xa, xb there) and each chunk's fp32 sum of x. col: [CPT, 1, LANES, 4] first
-    column of each word. Every row step's warp loads its own copy ([CPT, ROWS, LANES, ...], the codes'
-    shape): L1 serves the repeats, and no layout conversion spreads one copy over the warps."""
+    """`_x_pairs` and each chunk's fp32 sum of x from one contiguous load a word (CPW values: 16 bytes
+    of bf16 at 4 bits), paired in registers. col: [CPT, 1, LANES, 4] first column of each word. Every
+    row step's warp loads its own copy ([CPT, ROWS, LANES, ...], the codes' shape): L1 serves the
+    repeats."""
     col = col + tl.zeros([1, ROWS, 1, 1], tl.int32)
     xw = tl.load(x1 + col[:, :, :, :, None] + tl.arange(0, CPW)[None, None, None, None, :]).to(tl.float32)
     xsum = tl.sum(tl.sum(xw, axis=4), axis=3)  # [CPT, ROWS, LANES]: the chunk's 4 words
@@ -238,17 +253,8 @@ def _gemv_kernel(x_ptr, q_ptr, s_ptr, mn_ptr, b_ptr, r_ptr, y_ptr, p_ptr, M, N, 
     x1 = x_ptr + pid_m.to(tl.int64) * stride_xm
     if VEC_X:
         xa, xb, xc, xd, xsum = _x_pairs_vec(x1, col, CPW, ROWS, XSCALE, ASM)
-    elif BITS == 4:
-        xa = _x_pair(x1, col, 0, 4, XSCALE, ASM)
-        xb = _x_pair(x1, col, 1, 5, XSCALE, ASM)
-        xc = _x_pair(x1, col, 2, 6, XSCALE, ASM)
-        xd = _x_pair(x1, col, 3, 7, XSCALE, ASM)
     else:
-        xa = _x_pair(x1, col, 0, 2, XSCALE, ASM)
-        xb = _x_pair(x1, col, 1, 3, XSCALE, ASM)
-        xc = xa  # unused by the 8-bit chunk
-        xd = xb
-    if not VEC_X:
+        xa, xb, xc, xd = _x_pairs(x1, col, CPW, XSCALE, ASM)
         xsum = tl.sum(tl.load(x1 + k_lo + c4 * CH + tl.arange(0, CH)[None, None, None, :]).to(tl.float32), axis=3)
     WPR = K // CPW
     GPR = K // GROUP
