@@ -1,7 +1,8 @@
 """GPU time of retrieval's chunked top-k (kernels/retrieval_attention.py topk_columns) per launch
 setting, beside torch.topk, over score rows of a retrieval graph's shapes (8 kv heads).
 
-    PYTHONPATH=. python3 tools/sweep_topk.py
+    PYTHONPATH=. python3 tools/sweep_topk.py            # chunk / warp settings
+    PYTHONPATH=. python3 tools/sweep_topk.py --merge    # the merge's chunks a step (TOPK_MERGE_GROUP)
 
 Cases (columns, k, live columns): a 256K table's 16,386 columns with every column live and with
 256 (a 4K context in a 256K engine), k 56 (hybrid's halves) and 112, and 4,352 columns. Each row:
@@ -25,10 +26,18 @@ import kvtier.kernels.retrieval_attention as ra  # noqa: E402
 def main() -> None:
     s = torch.randn(1, 8, 16386, device="cuda")
     base = (ra.TOPK_CHUNK, ra.TOPK_CHUNK_WARPS, ra.TOPK_MERGE_KEYS_PER_WARP, ra.TOPK_CHUNK_PICKS)
+    group = ra.TOPK_MERGE_GROUP
     for c, k, lv in ((16386, 56, 16386), (16386, 56, 256), (16386, 112, 16386), (4352, 56, 4352)):
         x = s[..., :c].contiguous()
         live = torch.tensor([lv], device="cuda")
         print(f"C {c} k {k} live {lv}: torch.topk {timed(lambda: x.topk(k, dim=-1)):.1f} us", flush=True)
+        if "--merge" in sys.argv:
+            for ra.TOPK_MERGE_GROUP in (0, 2, 4, 8):
+                us = timed(lambda: ra.topk_columns(x, k, live))
+                ok = torch.equal(ra.topk_columns(x, k, live), ra.topk_columns_reference(x, k, live))
+                print(f"   merge group {ra.TOPK_MERGE_GROUP}: {us:6.1f} us {'' if ok else 'WRONG'}", flush=True)
+            ra.TOPK_MERGE_GROUP = group
+            continue
         for ch, cw, kpw in itertools.product((1024, 2048, 4096), (4, 8), (128, 512)):
             ra.TOPK_CHUNK, ra.TOPK_CHUNK_WARPS, ra.TOPK_MERGE_KEYS_PER_WARP, ra.TOPK_CHUNK_PICKS = ch, cw, kpw, 2
             us = timed(lambda: ra.topk_columns(x, k, live))

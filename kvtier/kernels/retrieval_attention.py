@@ -158,6 +158,10 @@ TOPK_CHUNK_PICKS = 16
 TOPK_MAX_CHUNKS = 32
 TOPK_CHUNK_WARPS = 8
 TOPK_MERGE_KEYS_PER_WARP = 128  # the merge program's warps: its keys / this, 4 .. 16
+# Chunks the merge program takes at a time (0: all at once). It merges only the chunks that hold a
+# live column, this many per step into its running best: a short context in a long engine's table
+# (4K in a 256K engine: 1 live chunk of 17) sorts one chunk's picks instead of 32 chunks' worth.
+TOPK_MERGE_GROUP = 4
 
 if HAVE_TRITON:
     import triton
@@ -262,14 +266,29 @@ if HAVE_TRITON:
         key = tl.where(c < C, _column_keys(s, c), NO_KEY)
         tl.store(dst, tl.topk(key, KP))
 
-    @triton.jit(do_not_specialize=["NCH", "K"])
-    def _topk_merge_kernel(key_ptr, out_ptr, NCH, K, KP: tl.constexpr, NP: tl.constexpr):
+    @triton.jit(do_not_specialize=["NCH", "K", "H", "C", "CH"])
+    def _topk_merge_kernel(key_ptr, live_ptr, out_ptr, NCH, K, H, C, CH, KP: tl.constexpr, NP: tl.constexpr,
+                           GROUP: tl.constexpr, HAS_LIVE: tl.constexpr):
         """One row-head: the K best of its chunks' keys -> columns, best first; a pick whose score
-        is -inf comes back as column -1."""
+        is -inf comes back as column -1. GROUP 0: all NCH chunks' keys in one sort of NP; else only
+        the chunks holding a column below live[rh // H], GROUP at a time (NP = GROUP * KP keys)
+        merged into the running best KP (past live every key is -inf: those picks are -1 either
+        way)."""
         rh = tl.program_id(0)
+        base = key_ptr + rh.to(tl.int64) * NCH * KP
         i = tl.arange(0, NP)
-        key = tl.load(key_ptr + rh.to(tl.int64) * NCH * KP + i, mask=i < NCH * KP, other=NO_KEY)
-        top = tl.topk(key, KP)
+        if GROUP == 0:
+            top = tl.topk(tl.load(base + i, mask=i < NCH * KP, other=NO_KEY), KP)
+        else:
+            n = NCH
+            if HAS_LIVE:
+                lv = tl.minimum(tl.load(live_ptr + rh // H).to(tl.int32), C)
+                n = tl.maximum(tl.minimum((lv + CH - 1) // CH, NCH), 1)
+            top = tl.topk(tl.load(base + i, mask=i < n * KP, other=NO_KEY), KP)
+            for g in range(GROUP, n, GROUP):
+                j = g * KP + i
+                more = tl.topk(tl.load(base + j, mask=j < n * KP, other=NO_KEY), KP)
+                top = tl.topk(tl.reshape(tl.join(top, more), [2 * KP]), KP)
         low = tl.full([], 0xFFFFFFFF, tl.int64)
         col = low - (top & low)
         live = (top >> 32) > -0x7F800001  # above -inf's key (0x807FFFFF as a signed int32)
@@ -402,8 +421,10 @@ def topk_columns(scores: torch.Tensor, k: int, live: torch.Tensor | None = None)
     s = scores.contiguous()
     _topk_chunk_kernel[(r * h, nch)](s, live.contiguous() if live is not None else s, keys, h, c, nch, CH=ch, KP=kp,
                                      HAS_LIVE=live is not None, num_warps=TOPK_CHUNK_WARPS)
-    np_ = triton.next_power_of_2(nch) * kp
-    _topk_merge_kernel[(r * h,)](keys, out, nch, k, KP=kp, NP=np_,
+    group = TOPK_MERGE_GROUP if 0 < TOPK_MERGE_GROUP < nch else 0
+    np_ = (group or triton.next_power_of_2(nch)) * kp
+    _topk_merge_kernel[(r * h,)](keys, live.contiguous() if live is not None else keys, out, nch, k, h, c, ch, KP=kp,
+                                 NP=np_, GROUP=group, HAS_LIVE=live is not None,
                                  num_warps=min(16, max(4, np_ // TOPK_MERGE_KEYS_PER_WARP)))
     return out
 

@@ -80,11 +80,16 @@ def main() -> None:
             check_quest_scores(ra, hkv, g, d, with_host, seed=600 + i)
         except AssertionError as e:
             failures.append(f"quest_scores Hkv={hkv} G={g} D={d} host={with_host}: {e}")
-    for i, case in enumerate(TOPK_CASES):
-        try:
-            check_topk(ra, *case, seed=1400 + i)
-        except AssertionError as e:
-            failures.append(f"topk_columns {case}: {e}")
+    base = ra.TOPK_CHUNK, ra.TOPK_CHUNK_PICKS, ra.TOPK_MERGE_GROUP
+    # the defaults, then chunks of 16 columns: many chunks, merged two at a time and all at once
+    for setting in (base, (16, 1, 2), (16, 1, 0)):
+        ra.TOPK_CHUNK, ra.TOPK_CHUNK_PICKS, ra.TOPK_MERGE_GROUP = setting
+        for i, case in enumerate(TOPK_CASES):
+            try:
+                check_topk(ra, *case, seed=1400 + i)
+            except AssertionError as e:
+                failures.append(f"topk_columns {case} (chunk, picks, merge group {setting}): {e}")
+    ra.TOPK_CHUNK, ra.TOPK_CHUNK_PICKS, ra.TOPK_MERGE_GROUP = base
     for i in range(3):
         try:
             check_assemble(ra, seed=1100 + i)
