@@ -98,8 +98,10 @@ GEMV_MAX_M = 4
 # Programs `choose_gemv_block_n` aims at per SM (x is converted once per program: fewer, longer
 # programs waste less of it; small layers need the parallelism).
 GEMV_PROGRAMS_PER_SM = 2
-# Rows of W per gemv program at most (an x slice converted once serves them all).
+# Rows of W per gemv program at most (an x slice converted once serves them all), and at least
+# (H100, 4-bit, vector_x: o_proj 4096 x 4096 at M = 1 10.7 us with 8-row programs, 8.4 with 16).
 GEMV_MAX_BLOCK_N = 64
+GEMV_MIN_BLOCK_N = 16
 # Rows of x up to which the skinny kernel multiply-sums on CUDA cores by default: each extra
 # row adds an FMA per weight to ~5 ALU ops of unpacking, while the tensor-core path pads x to
 # 16 rows for free; 1 until the sweep says otherwise.
@@ -187,9 +189,10 @@ class GemvConfig:
     # registers, instead of one 2-byte load a value and a second load for the chunk sums. Offline
     # sm_90 build, 4-bit, 4 chunks: the program's prologue 398 -> 382 instructions (no 2-byte x loads;
     # the 33 barriers of the x pairs' layout conversions stay), its loop 328 a 4-row step either way.
-    # A program of 8 rows (o_proj at M = 1) spends as much on the prologue as on its codes. Off until
-    # a GPU sweep (tools/sweep_wq.py "vector_x" rows) times it.
-    vector_x: bool = False
+    # H100, 4-bit Qwen3-8B layers at M = 1 (tools/scratch gemv_diag, CUDA-graph replay): the four
+    # layers 75.5 -> 67.7 us (55% -> 62% of the bandwidth): qkv 12.5 -> 10.2, o_proj 12.2 -> 10.7,
+    # gate_up 30.0 -> 28.4, down 20.8 -> 18.5.
+    vector_x: bool = True
 
 
 # Defaults by regime (to be replaced by the sweep's winners, tools/sweep_wq.py).
@@ -658,7 +661,7 @@ def choose_gemv_block_n(m: int, n: int, split: int, rows: int, sms: int) -> int:
     """Rows of W per gemv program: the largest power of two <= GEMV_MAX_BLOCK_N (and >= one step of
     `rows`) that still gives GEMV_PROGRAMS_PER_SM programs per SM. Shapes only (graph-safe)."""
     bn = GEMV_MAX_BLOCK_N
-    while bn > rows and m * -(-n // bn) * split < GEMV_PROGRAMS_PER_SM * sms:
+    while bn > max(rows, GEMV_MIN_BLOCK_N) and m * -(-n // bn) * split < GEMV_PROGRAMS_PER_SM * sms:
         bn //= 2
     return max(bn, rows)
 

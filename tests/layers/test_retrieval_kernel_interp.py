@@ -81,7 +81,7 @@ def main() -> None:
         except AssertionError as e:
             failures.append(f"quest_scores Hkv={hkv} G={g} D={d} host={with_host}: {e}")
     base = ra.TOPK_CHUNK, ra.TOPK_CHUNK_PICKS, ra.TOPK_MERGE_GROUP
-    # the defaults, then chunks of 16 columns: many chunks, merged two at a time and all at once
+    # the defaults, then chunks of 16 columns: many chunks, with few live ones sorted alone or not
     for setting in (base, (16, 1, 2), (16, 1, 0)):
         ra.TOPK_CHUNK, ra.TOPK_CHUNK_PICKS, ra.TOPK_MERGE_GROUP = setting
         for i, case in enumerate(TOPK_CASES):

@@ -108,8 +108,8 @@ def paths(wq: ModuleType, interpreted: bool) -> dict[str, Callable]:
         "gemv": gv(gemv),
         "gemv_split_no_prefetch": gv(replace(gemv_split, prefetch=False)),
         "gemv_split": gv(gemv_split),
-        "gemv_vector_x": gv(replace(gemv, vector_x=True)),
-        "gemv_split_vector_x": gv(replace(gemv_split, vector_x=True)),
+        "gemv_scalar_x": gv(replace(gemv, vector_x=False)),  # the default loads x a word at a time
+        "gemv_split_scalar_x": gv(replace(gemv_split, vector_x=False)),
         "gemv_split_rows2": gv(replace(gemv_split, rows_per_warp=2, block_n=0)),
         "fma": sk(base),
         "fma_magic": sk(s(**tile, cvt="magic")),
