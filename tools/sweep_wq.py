@@ -218,8 +218,7 @@ def gemv_variants(quick: bool) -> dict[str, wq.GemvConfig]:
     if quick:
         return out
     for ch in (dict(block_n=16), dict(block_n=64), dict(chunks=1), dict(prefetch=False), dict(num_warps=8),
-               dict(vector_x=True), dict(vector_x=True, chunks=1), dict(chunks=2, rows_per_warp=2),
-               dict(chunks=1, rows_per_warp=4), dict(rows_per_warp=2)):
+               dict(vector_x=False), dict(vector_x=False, chunks=1)):
         cfg = replace(base, **ch)
         out[f"gemv {_diff(cfg, base)}"] = cfg
     return out

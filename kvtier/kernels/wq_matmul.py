@@ -180,18 +180,15 @@ class GemvConfig:
     chunks: int = 4
     num_warps: int = 4
     prefetch: bool = True
-    # rows a warp takes per loop step (each thread: chunks x rows_per_warp 16-byte loads a step). With
-    # fewer chunks a thread this keeps a step's work while x's fp16 pairs take fewer registers
-    # (offline sm_90, 4-bit, 4 warps: 4 chunks x 1 row 128 registers, 328 instructions a step;
-    # 2 x 2: 72 registers, 356; 1 x 4: 64, 410), so more warps fit an SM.
-    rows_per_warp: int = 1
     # x of the slice loaded a word (16 bytes) at a time, each warp its own copy, and paired in
     # registers, instead of one 2-byte load a value and a second load for the chunk sums. Offline
     # sm_90 build, 4-bit, 4 chunks: the program's prologue 398 -> 382 instructions (no 2-byte x loads;
     # the 33 barriers of the x pairs' layout conversions stay), its loop 328 a 4-row step either way.
     # H100, 4-bit Qwen3-8B layers at M = 1 (tools/scratch gemv_diag, CUDA-graph replay): the four
     # layers 75.5 -> 67.7 us (55% -> 62% of the bandwidth): qkv 12.5 -> 10.2, o_proj 12.2 -> 10.7,
-    # gate_up 30.0 -> 28.4, down 20.8 -> 18.5.
+    # gate_up 30.0 -> 28.4, down 20.8 -> 18.5. (Two or four rows a warp a step at 2 or 1 chunks, 72 / 64
+    # registers instead of 128, were slower: 79.2 / 95.3 us; occupancy does not bound this kernel.)
+    # The 8-bit kernel takes it too, not timed yet.
     vector_x: bool = True
 
 
@@ -679,8 +676,7 @@ def wq_gemv(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None = None,
         return y
     lanes, cpt = gemv_slice(k, w.bits, cfg)
     split = k // (lanes * cpt * (32 if w.bits == 4 else 16))
-    # rows_per_warp rows per warp (lanes < 32: the rest of a warp takes rows too)
-    rows = cfg.num_warps * max(1, 32 // lanes) * cfg.rows_per_warp
+    rows = cfg.num_warps * max(1, 32 // lanes)  # one row per warp (lanes < 32: the rest of a warp takes rows)
     block_n = cfg.block_n or choose_gemv_block_n(mrows, n, split, rows, _sm_count(x.device))
     block_n = max(block_n, rows)
     x, mins, b, r, stride_rm = _operands(x, w, y, bias, residual)

@@ -110,7 +110,6 @@ def paths(wq: ModuleType, interpreted: bool) -> dict[str, Callable]:
         "gemv_split": gv(gemv_split),
         "gemv_scalar_x": gv(replace(gemv, vector_x=False)),  # the default loads x a word at a time
         "gemv_split_scalar_x": gv(replace(gemv_split, vector_x=False)),
-        "gemv_split_rows2": gv(replace(gemv_split, rows_per_warp=2, block_n=0)),
         "fma": sk(base),
         "fma_magic": sk(s(**tile, cvt="magic")),
         "fma_dequant_first": sk(s(**tile, group_scale=False)),
