@@ -11,7 +11,7 @@ import uuid
 from rich.console import Console
 
 from kvtier.config import (CUDA_PREFILL_CHUNK, DEFAULT_PAGE_SIZE, DEFAULT_PREFILL_CHUNK, DEFAULT_SINK, DEFAULT_WINDOW,
-                           SELECTORS, CacheConfig, EngineConfig, RetrievalConfig, ServerConfig)
+                           SELECTORS, SUM_SELECTORS, CacheConfig, EngineConfig, RetrievalConfig, ServerConfig)
 
 DEFAULT_MODEL = "smollm2-135m"
 EXIT_BAD_INPUT = 2  # bad model file / bad arguments
@@ -44,7 +44,9 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kvmem-window", type=int, default=DEFAULT_WINDOW, help="last tokens always attended")
     p.add_argument("--kvmem-selector", default=RetrievalConfig.selector, choices=SELECTORS,
                    help="page scores: hybrid (default: half quest, half centroid) | quest (per-channel min/max "
-                        "bound) | quest-max | meankey (baseline) | centroid (per kv head mean key)")
+                        "bound) | quest-max | meankey (baseline) | centroid (per kv head mean key) | midrange "
+                        "(per kv head (min + max) / 2) | hybrid-mid (half quest, half midrange: no key sums kept, "
+                        "half the summary memory)")
     p.add_argument("--cuda-graphs", default="auto", choices=("auto", "on", "off"),
                    help="capture decode steps as CUDA graphs (auto: on CUDA with the triton backend)")
     p.add_argument("--overlap", default="auto", choices=("auto", "on", "off"),
@@ -320,7 +322,8 @@ def cmd_plan(a: argparse.Namespace) -> int:
     from kvtier.engine.plan import plan_for_args, render
 
     plan = plan_for_args(a.model, a.kv_dtype, a.context, a.gpu_memory_limit, a.host_kv_mib,
-                         offload_layers=a.offload_layers, retrieval=a.kvmem_budget > 0)
+                         offload_layers=a.offload_layers, retrieval=a.kvmem_budget > 0,
+                         key_sums=a.kvmem_selector in SUM_SELECTORS)
     print_tables(render(plan))
     for n in plan.notes:
         console.print(f"[yellow]note:[/] {n}")
@@ -412,6 +415,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="layers streamed from host RAM (default: the fewest --gpu-memory-limit needs)")
     p.add_argument("--kvmem-budget", type=int, default=0,
                    help="retrieval attention on (as serve's flag): count its page summaries on the GPU")
+    p.add_argument("--kvmem-selector", default=RetrievalConfig.selector, choices=SELECTORS,
+                   help="as serve's flag: hybrid-mid / quest / quest-max / midrange keep no key sums")
     p.set_defaults(fn=cmd_plan)
     p = sub.add_parser("eval", help="quality evaluations (recall: dense vs retrieval attention)")
     from kvtier.eval import recall_cli  # torch-free: the evaluation itself is imported when it runs

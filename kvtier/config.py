@@ -38,7 +38,9 @@ def default_cache_dir() -> Path:
 
 
 # Retrieval attention (layers/retrieval.py): what a decode row past the budget attends to.
-SELECTORS = ("quest", "quest-max", "meankey", "centroid", "hybrid")
+SELECTORS = ("quest", "quest-max", "meankey", "centroid", "hybrid", "midrange", "hybrid-mid")
+# Selectors that read the pages' key sums (the mean key): the others keep no sums (kv/summaries.py).
+SUM_SELECTORS = ("meankey", "centroid", "hybrid")
 # Sink tokens: StreamingLLM keeps the first 4 tokens (the attention sinks); rounded up to pages,
 # that is one page at any page size, the least that keeps position 0 in every selection.
 DEFAULT_SINK = 4
@@ -54,7 +56,9 @@ class RetrievalConfig:
     window: the last tokens always kept; selector: one of SELECTORS (hybrid: half the picks by
     the Quest bound, half by per-head centroid; it recalled as well as dense or better with the
     1.5B at 8K / 16K, had the lowest natural-text KL and alone found every planted needle:
-    docs/benchmarks.md)."""
+    docs/benchmarks.md; hybrid-mid: the second half by the midpoint of each page's key min and
+    max instead, from the same summaries as the bound, so the pages keep no key sums: half the
+    summary bytes and reads)."""
 
     budget: int = 0
     sink: int = DEFAULT_SINK
@@ -77,6 +81,11 @@ class RetrievalConfig:
     @property
     def enabled(self) -> bool:
         return self.budget > 0
+
+    @property
+    def key_sums(self) -> bool:
+        """Whether the selector reads the pages' key sums (the summaries keep them only then)."""
+        return self.selector in SUM_SELECTORS
 
     def page_counts(self, page_size: int) -> tuple[int, int, int]:
         """(sink pages, most window pages, budget pages) at `page_size`; ValueError when the budget

@@ -169,17 +169,28 @@ if HAVE_TRITON:
     import triton
     import triton.language as tl
 
+    @triton.jit
+    def _store_scores(dst, acc, cnt, cand_ptr, r, c, cm, C, FILL: tl.constexpr):
+        """_quest_kernel's scores out: +inf for pages with no rows; FILL: -inf at non-candidates."""
+        acc = tl.where(cnt == 0, float("inf"), acc)
+        if FILL:
+            cand = tl.load(cand_ptr + r.to(tl.int64) * C + c, mask=cm, other=-1)
+            tl.store(dst, tl.where(cand >= 0, acc, float("-inf")), mask=c < C)
+        else:
+            tl.store(dst, acc, mask=cm)
+
     @triton.jit(do_not_specialize=["Hkv", "G", "C"])
     def _quest_kernel(q_ptr, ids_ptr, kmin_ptr, kmax_ptr, cnt_ptr, hmin_ptr, hmax_ptr, hcnt_ptr, lim_ptr, cand_ptr,
-                      out_ptr, Hkv, G, C, D: tl.constexpr, BLOCK_C: tl.constexpr, REDUCE_MAX: tl.constexpr,
+                      out_ptr, mid_ptr, Hkv, G, C, D: tl.constexpr, BLOCK_C: tl.constexpr, REDUCE_MAX: tl.constexpr,
                       HAS_HOST: tl.constexpr, HAS_LIMIT: tl.constexpr, CENTROID: tl.constexpr,
-                      FILL: tl.constexpr):
+                      FILL: tl.constexpr, MID: tl.constexpr = False):
         """One (row r, kv head h, BLOCK_C candidates): bound of each of the G query heads of h,
         summed (quest) or maxed (quest-max) over them; pages with no rows score +inf. HAS_LIMIT:
         columns at or past lim[r] are neither read nor written. CENTROID: kmin / hmin hold the
         pages' key sums instead, and the score is the group's summed q . the page's mean key
         (kmax / hmax are not read). FILL: every column is written, -inf where cand[r, c] < 0 or
-        past the limit (the scores top-k reads as they are)."""
+        past the limit (the scores top-k reads as they are). MID (with the bound): also the
+        group's summed q . (kmin + kmax) / 2 into mid_ptr, from the same loads."""
         r = tl.program_id(0)
         h = tl.program_id(1)
         c0 = tl.program_id(2) * BLOCK_C
@@ -191,6 +202,9 @@ if HAVE_TRITON:
         if c0 >= n:  # a captured step scores the whole table width; most of it lies past the context
             if FILL:
                 tl.store(dst, tl.full([BLOCK_C], float("-inf"), tl.float32), mask=c < C)
+                if MID:
+                    tl.store(mid_ptr + (r * Hkv + h).to(tl.int64) * C + c, tl.full([BLOCK_C], float("-inf"),
+                                                                                     tl.float32), mask=c < C)
             return
         d = tl.arange(0, D)
         cm = c < n
@@ -219,19 +233,21 @@ if HAVE_TRITON:
             acc = tl.sum(kmin * qs[None, :], axis=1) / tl.maximum(cnt, 1).to(tl.float32)
         else:
             acc = tl.full([BLOCK_C], float("-inf") if REDUCE_MAX else 0.0, tl.float32)
+            qs = tl.zeros([1, D], tl.float32)
             for g in range(0, G):
                 qv = tl.load(q_row + g * D + d).to(tl.float32)[None, :]  # [1, D]
                 bound = tl.sum(tl.maximum(qv * kmin, qv * kmax), axis=1)  # sum_d max(q_d min_d, q_d max_d)
+                if MID:
+                    qs += qv
                 if REDUCE_MAX:
                     acc = tl.maximum(acc, bound)
                 else:
                     acc = acc + bound
-        acc = tl.where(cnt == 0, float("inf"), acc)
-        if FILL:
-            cand = tl.load(cand_ptr + r.to(tl.int64) * C + c, mask=cm, other=-1)
-            tl.store(dst, tl.where(cand >= 0, acc, float("-inf")), mask=c < C)
-        else:
-            tl.store(dst, acc, mask=cm)
+            if MID:
+                mid = tl.sum((kmin + kmax) * qs, axis=1) * 0.5
+                _store_scores(mid_ptr + (r * Hkv + h).to(tl.int64) * C + c, mid, cnt, cand_ptr, r, c, cm, C, FILL)
+        _store_scores(dst, acc, cnt, cand_ptr, r, c, cm, C, FILL)
+
 
     NO_KEY = tl.constexpr(-(1 << 63))  # below every column's key: padding past the last column
 
@@ -319,9 +335,9 @@ if HAVE_TRITON:
 
     @triton.jit(do_not_specialize=["T", "Hkv", "S"])
     def _summary_rows_kernel(slot_ptr, k_ptr, kmin_ptr, kmax_ptr, ksum_ptr, cnt_ptr, stride_kt, T, Hkv, S,
-                             D: tl.constexpr):
+                             D: tl.constexpr, HAS_SUM: tl.constexpr = True):
         """Row t, kv head h of a step writing at most one row a page: fold key k[t, h] into its
-        page's summaries (a row 0 starts the page over)."""
+        page's summaries (a row 0 starts the page over; HAS_SUM False: no key sums kept)."""
         t = tl.program_id(0)
         h = tl.program_id(1)
         slot = tl.load(slot_ptr + t).to(tl.int64)
@@ -333,10 +349,11 @@ if HAVE_TRITON:
         # summaries in fp32 or (CUDA, 16-bit keys) the keys' dtype: math in fp32, the store rounds
         kmin = tl.load(kmin_ptr + row).to(tl.float32)
         kmax = tl.load(kmax_ptr + row).to(tl.float32)
-        ksum = tl.load(ksum_ptr + row).to(tl.float32)
         tl.store(kmin_ptr + row, tl.where(first, x, tl.minimum(kmin, x)).to(kmin_ptr.dtype.element_ty))
         tl.store(kmax_ptr + row, tl.where(first, x, tl.maximum(kmax, x)).to(kmax_ptr.dtype.element_ty))
-        tl.store(ksum_ptr + row, (tl.where(first, 0.0, ksum) + x).to(ksum_ptr.dtype.element_ty))
+        if HAS_SUM:
+            ksum = tl.load(ksum_ptr + row).to(tl.float32)
+            tl.store(ksum_ptr + row, (tl.where(first, 0.0, ksum) + x).to(ksum_ptr.dtype.element_ty))
         if h == 0:
             tl.store(cnt_ptr + page, tl.where(first, 0, tl.load(cnt_ptr + page)) + 1)
 
@@ -349,7 +366,8 @@ CentroidRows = tuple[torch.Tensor, torch.Tensor]
 
 def quest_scores(qg: torch.Tensor, dev: SummaryRows, cand_ids: torch.Tensor, reduce_max: bool = False,
                  host: SummaryRows | None = None, limit: torch.Tensor | None = None,
-                 cand_idx: torch.Tensor | None = None) -> torch.Tensor:
+                 cand_idx: torch.Tensor | None = None, midrange: bool = False
+                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Quest bounds of candidate pages, fused (layers/retrieval.py page_scores' quest / quest-max).
 
     qg: [R, Hkv, G, D] raw queries (any float dtype; the bounds in fp32); dev / host: one
@@ -359,8 +377,12 @@ def quest_scores(qg: torch.Tensor, dev: SummaryRows, cand_ids: torch.Tensor, red
     unwritten: the caller masks them); cand_idx: [R, C], with it every column is written and
     those where cand_idx < 0 or past the limit score -inf (ready for top-k).
     -> [R, Hkv, C] fp32; +inf for pages with no rows (chosen first). No host synchronisation.
+    midrange: also the `midrange` selector's scores from the same reads (the group's summed q .
+    (kmin + kmax) / 2), masked alike: -> (bounds, midrange scores).
     """
-    return _launch_scores(qg, dev, cand_ids, host, limit, cand_idx, reduce_max=reduce_max, centroid=False)
+    out = _launch_scores(qg, dev, cand_ids, host, limit, cand_idx, reduce_max=reduce_max, centroid=False,
+                         midrange=midrange)
+    return out if midrange else out[0]
 
 
 def centroid_scores(qg: torch.Tensor, dev: CentroidRows, cand_ids: torch.Tensor, host: CentroidRows | None = None,
@@ -368,7 +390,7 @@ def centroid_scores(qg: torch.Tensor, dev: CentroidRows, cand_ids: torch.Tensor,
     """The `centroid` selector's scores, fused like quest_scores: per kv head, the group's summed
     query . each candidate page's mean key (its key sum / its row count). dev / host: one layer's
     (ksum [P, Hkv, D], count [P] int32); the other arguments and the result as quest_scores."""
-    return _launch_scores(qg, dev, cand_ids, host, limit, cand_idx, reduce_max=False, centroid=True)
+    return _launch_scores(qg, dev, cand_ids, host, limit, cand_idx, reduce_max=False, centroid=True)[0]
 
 
 def assemble_lists(top: torch.Tensor, cand_idx: torch.Tensor, cand_ids: torch.Tensor, fixed_idx: torch.Tensor,
@@ -452,10 +474,10 @@ def assemble_lists_reference(top: torch.Tensor, cand_idx: torch.Tensor, cand_ids
     return idx.long(), ids.long()
 
 
-def update_summaries(kmin: torch.Tensor, kmax: torch.Tensor, ksum: torch.Tensor, count: torch.Tensor,
+def update_summaries(kmin: torch.Tensor, kmax: torch.Tensor, ksum: torch.Tensor | None, count: torch.Tensor,
                      slots: torch.Tensor, k: torch.Tensor, page_size: int) -> None:
-    """One layer's page summaries (kv/summaries.py: kmin / kmax / ksum [P, Hkv, D] fp32 or 16-bit, count [P]
-    int32) take new keys k [T, Hkv, D] at slots [T], for a step that writes at most one row a page
+    """One layer's page summaries (kv/summaries.py: kmin / kmax / ksum [P, Hkv, D] fp32 or 16-bit (ksum
+    None: none kept), count [P] int32) take new keys k [T, Hkv, D] at slots [T], for a step that writes at most one row a page
     (a decode step; padding rows sharing a scratch page leave that page's summaries undefined), in
     one launch; a row 0 starts its page over. PageSummaries.update's scatter path is the reference."""
     t, hkv, d = k.shape
@@ -463,15 +485,16 @@ def update_summaries(kmin: torch.Tensor, kmax: torch.Tensor, ksum: torch.Tensor,
         return
     if k.stride(-1) != 1 or k.stride(1) != d:
         k = k.contiguous()
-    _summary_rows_kernel[(t, hkv)](slots, k, kmin, kmax, ksum, count, k.stride(0), t, hkv, page_size, D=d,
-                                   num_warps=1)
+    _summary_rows_kernel[(t, hkv)](slots, k, kmin, kmax, ksum if ksum is not None else kmin, count, k.stride(0), t,
+                                   hkv, page_size, D=d, HAS_SUM=ksum is not None, num_warps=1)
 
 
 def _launch_scores(qg: torch.Tensor, dev: tuple, cand_ids: torch.Tensor, host: tuple | None,
                    limit: torch.Tensor | None, cand_idx: torch.Tensor | None, reduce_max: bool,
-                   centroid: bool) -> torch.Tensor:
+                   centroid: bool, midrange: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """quest_scores / centroid_scores: one _quest_kernel launch (CENTROID: the summaries are
-    (ksum, count), passed where kmin goes; kmax slots get placeholders the kernel never reads)."""
+    (ksum, count), passed where kmin goes; kmax slots get placeholders the kernel never reads)
+    -> (scores, midrange scores or None)."""
     if not HAVE_TRITON:
         raise RuntimeError("the score kernels need Triton; use their references on CPU")
     r, hkv, g, d = qg.shape
@@ -482,16 +505,18 @@ def _launch_scores(qg: torch.Tensor, dev: tuple, cand_ids: torch.Tensor, host: t
         dev, host = (dev[0], dev[0], dev[1]), (host[0], host[0], host[1]) if host is not None else None
     c = cand_ids.shape[1]
     out = torch.empty((r, hkv, c), dtype=torch.float32, device=qg.device)
+    mid = torch.empty_like(out) if midrange else None
     if r == 0 or c == 0:
-        return out
+        return out, mid
     hmin, hmax, hcnt = host if host is not None else dev  # unused placeholders without a host tier
     lim = limit.contiguous() if limit is not None else dev[2]  # placeholder without a limit
     cand = cand_idx.contiguous() if cand_idx is not None else cand_ids  # placeholder without one
     _quest_kernel[(r, hkv, triton.cdiv(c, max(1, SCORE_TILE // d)))](
-        qg.contiguous(), cand_ids.contiguous(), dev[0], dev[1], dev[2], hmin, hmax, hcnt, lim, cand, out, hkv, g, c,
-        D=d, BLOCK_C=max(1, SCORE_TILE // d), REDUCE_MAX=reduce_max, HAS_HOST=host is not None,
-        HAS_LIMIT=limit is not None, CENTROID=centroid, FILL=cand_idx is not None, num_warps=4)
-    return out
+        qg.contiguous(), cand_ids.contiguous(), dev[0], dev[1], dev[2], hmin, hmax, hcnt, lim, cand, out,
+        mid if mid is not None else out, hkv, g, c, D=d, BLOCK_C=max(1, SCORE_TILE // d), REDUCE_MAX=reduce_max,
+        HAS_HOST=host is not None, HAS_LIMIT=limit is not None, CENTROID=centroid, FILL=cand_idx is not None,
+        MID=midrange, num_warps=4)
+    return out, mid
 
 
 def _candidate_rows(dev: tuple, host: tuple | None, cand_ids: torch.Tensor, i: int) -> torch.Tensor:
@@ -512,6 +537,16 @@ def quest_scores_reference(qg: torch.Tensor, dev: SummaryRows, cand_ids: torch.T
     q = qg.float()[:, :, :, None, :]  # [R, Hkv, G, 1, D]
     bound = torch.maximum(q * kmin.permute(0, 2, 1, 3)[:, :, None], q * kmax.permute(0, 2, 1, 3)[:, :, None]).sum(-1)
     s = bound.amax(2) if reduce_max else bound.sum(2)  # [R, Hkv, C]
+    return s.masked_fill((cnt == 0)[:, None, :], float("inf"))
+
+
+def midrange_scores_reference(qg: torch.Tensor, dev: SummaryRows, cand_ids: torch.Tensor,
+                              host: SummaryRows | None = None) -> torch.Tensor:
+    """quest_scores(midrange=True)'s second result in PyTorch (no limit): the group's summed q .
+    each candidate page's (kmin + kmax) / 2."""
+    kmin, kmax, cnt = (_candidate_rows(dev, host, cand_ids, i) for i in range(3))
+    mid = (kmin.float() + kmax.float()) * 0.5
+    s = torch.einsum("rhd,rchd->rhc", qg.float().sum(2), mid)
     return s.masked_fill((cnt == 0)[:, None, :], float("inf"))
 
 

@@ -39,6 +39,9 @@ Selectors (score of a candidate page for a query row; q grouped [Hkv, g, D]):
                list per layer shared by all kv heads
     centroid   per kv head: the page's mean key . the group's summed q
     hybrid     half of the top-k by `quest`, the rest by `centroid` among the pages left
+    midrange   per kv head: the page's (kmin + kmax) / 2 . the group's summed q (no key sums)
+    hybrid-mid half by `quest`, the rest by `midrange`: both from kmin / kmax (one launch on the
+               fused path), so the summaries keep no key sums
 
 Shapes stay what a Triton version will take: the selection is [R, Hkv, n_sel] page indices / page
 ids / validity for the R selected rows; no Python loop over heads or layers. This reference reads
@@ -59,7 +62,9 @@ from kvtier.kv.summaries import PageSummaries
 from kvtier.layers.attention import AttentionMetadata, DensePagedAttention, plan_sink_rows
 
 # Selectors whose scores a captured step can compute: the fused score kernels (power-of-two head_dim).
-GRAPH_SELECTORS = ("quest", "quest-max", "centroid", "hybrid")
+GRAPH_SELECTORS = ("quest", "quest-max", "centroid", "hybrid", "midrange", "hybrid-mid")
+# hybrid selectors: the score that picks the second half
+HYBRIDS = {"hybrid": "centroid", "hybrid-mid": "midrange"}
 
 
 def graph_capable(config: RetrievalConfig, head_dim: int, device: torch.device) -> bool:
@@ -99,7 +104,8 @@ class RetrievalAttention:
         if self.kernel and store.device.type == "cuda":
             from kvtier.layers.backends import TritonPagedAttention
             self.full = TritonPagedAttention(store, scale, host_store)
-        self.summaries = summaries if summaries is not None else PageSummaries.for_pool(store)
+        # key sums only for the selectors that read them (config.SUM_SELECTORS)
+        self.summaries = summaries if summaries is not None else PageSummaries.for_pool(store, config.key_sums)
         self.record = record
         self.num_sms = (torch.cuda.get_device_properties(store.device).multi_processor_count
                         if store.device.type == "cuda" else 4)
@@ -131,7 +137,8 @@ class RetrievalAttention:
             self.host_summaries = self.host_cache = None
             return
         st = self.store
-        self.host_summaries = PageSummaries.like(st, host_store.num_pages, st.device)  # type: ignore[attr-defined]
+        self.host_summaries = PageSummaries.like(st, host_store.num_pages, st.device,  # type: ignore[attr-defined]
+                                                 self.summaries.sums)
         self.host_cache = HostPageCache(st.num_layers, FETCH_CACHE_BUDGETS * self.budget_pages)
 
     @property
@@ -389,11 +396,12 @@ class RetrievalAttention:
             best = lambda s, k: topk_columns(s, k, sel.limit)  # noqa: E731  (-1: a pick at -inf)
         else:
             best = lambda s, k: s.topk(k, dim=-1).indices  # noqa: E731
-        if self.config.selector == "hybrid":  # half the picks by the Quest bound, the rest by centroid
+        if self.config.selector in HYBRIDS:  # half the picks by the Quest bound, the rest by a centre's score
             k1 = sel.k // 2
-            top1 = best(score("quest"), k1)
+            s1, s2 = self._hybrid_scores(qg, layer, sel)
+            top1 = best(s1, k1)
             # a -1 in top1 means it took every candidate: clamped, it masks column 0 (never one)
-            s2 = score("centroid").scatter(-1, top1.clamp_min(0), float("-inf"))
+            s2 = s2.scatter(-1, top1.clamp_min(0), float("-inf"))
             top = torch.cat([top1, best(s2, sel.k - k1)], dim=-1)  # [R, Hkv, K]
         else:
             top = best(score(self.config.selector), sel.k)  # [R, Hkv, K]
@@ -409,6 +417,18 @@ class RetrievalAttention:
         kernel (kernels/retrieval_attention.py); the kernel-scored selectors, power-of-two head_dim."""
         d = self.store.head_dim
         return self.kernel and self.config.selector in GRAPH_SELECTORS and d & (d - 1) == 0
+
+    def _hybrid_scores(self, qg: torch.Tensor, layer: int, sel: "_Selection") -> tuple[torch.Tensor, torch.Tensor]:
+        """A hybrid selector's two scores: the Quest bound's and its second selector's (HYBRIDS);
+        hybrid-mid's on the fused path in one launch (both from one read of kmin / kmax)."""
+        second = HYBRIDS[self.config.selector]
+        if second == "midrange" and sel.pad is None:
+            from kvtier.kernels.retrieval_attention import quest_scores
+            rows = lambda t: (t.kmin[layer], t.kmax[layer], t.count[layer])  # noqa: E731
+            host = self.host_summaries
+            return quest_scores(qg, rows(self.summaries), sel.cand_ids, False, rows(host) if host is not None else None,
+                                sel.limit, sel.cand_idx, midrange=True)
+        return self._scores("quest", qg, layer, sel), self._scores(second, qg, layer, sel)
 
     def _scores(self, selector: str, qg: torch.Tensor, layer: int, sel: "_Selection") -> torch.Tensor:
         """page_scores of the step's candidates, non-candidates at -inf (masked by `sel.pad`, or,
@@ -669,6 +689,11 @@ def page_scores(selector: str, qg: torch.Tensor, summaries: PageSummaries, layer
         rows = lambda t: (t.kmin[layer], t.kmax[layer], t.count[layer])  # noqa: E731
         return quest_scores(qg, rows(summaries), cand_ids, selector == "quest-max",
                             rows(host) if host is not None else None, limit, cand_idx)
+    if kernel and selector == "midrange" and d & (d - 1) == 0:
+        from kvtier.kernels.retrieval_attention import quest_scores
+        rows = lambda t: (t.kmin[layer], t.kmax[layer], t.count[layer])  # noqa: E731
+        return quest_scores(qg, rows(summaries), cand_ids, False, rows(host) if host is not None else None, limit,
+                            cand_idx, midrange=True)[1]
     if kernel and selector == "centroid" and d & (d - 1) == 0:
         from kvtier.kernels.retrieval_attention import centroid_scores
         rows = lambda t: (t.ksum[layer], t.count[layer])  # noqa: E731
@@ -689,6 +714,9 @@ def page_scores(selector: str, qg: torch.Tensor, summaries: PageSummaries, layer
             s = s[:, None, :].expand(r, hkv, -1)
         else:  # per kv head: the group's summed q . the page's mean key
             s = torch.einsum("rhgd,rchd->rhc", qg, mean)
+    elif selector == "midrange":  # per kv head: the group's summed q . the page's (kmin + kmax) / 2
+        mid = (rows("kmin").float() + rows("kmax").float()) * 0.5
+        s = torch.einsum("rhgd,rchd->rhc", qg, mid)
     elif selector not in ("quest", "quest-max"):
         raise ValueError(f"page_scores: unknown selector {selector!r}")
     else:

@@ -105,7 +105,7 @@ def test_graph_formulation_budget_at_least_context_is_dense(graph_formulation):
     assert eng.runner.backend.retrieved_rows > 0  # every decode row selected: all its pages
 
 
-@pytest.mark.parametrize("selector", ["quest", "hybrid"])
+@pytest.mark.parametrize("selector", ["quest", "hybrid", "hybrid-mid"])
 def test_graph_formulation_equals_eager_selection(monkeypatch, selector):
     model = tiny_model()
     cfg = RetrievalConfig(budget=48, sink=4, window=16, selector=selector)
@@ -116,11 +116,13 @@ def test_graph_formulation_equals_eager_selection(monkeypatch, selector):
     assert eng.runner.backend.pin_buf is not None  # the graph formulation ran
 
 
-@pytest.mark.parametrize("kv_dtype", ["auto", "int8"])
-def test_graph_formulation_host_tier_forced_equals_one_big_pool(graph_formulation, kv_dtype):
+@pytest.mark.parametrize("kv_dtype,selector", [("auto", "hybrid"), ("int8", "hybrid"), ("auto", "hybrid-mid")])
+def test_graph_formulation_host_tier_forced_equals_one_big_pool(graph_formulation, kv_dtype, selector):
     model = tiny_model()
-    cfg = RetrievalConfig(budget=48, sink=4, window=16)
+    cfg = RetrievalConfig(budget=48, sink=4, window=16, selector=selector)
     ref = generate(engine(model, cfg, prefill_chunk=16, max_batch=1, kv_dtype=kv_dtype))
     eng = engine(model, cfg, prefill_chunk=16, max_batch=1, num_pages=14, host_kv_mib=1, kv_dtype=kv_dtype)
     assert generate(eng) == ref
     assert eng.manager.stats()["offloads"] > 0 and eng.runner.backend.pin_buf is not None
+    backend = eng.runner.backend  # hybrid-mid keeps no key sums, in either tier
+    assert (backend.summaries.ksum is None) == (backend.host_summaries.ksum is None) == (selector == "hybrid-mid")

@@ -177,6 +177,11 @@ def test_retrieval_summaries_count_on_the_gpu() -> None:
     import re
     at_least = int(re.search(r"at least (\d+) MiB", big.problems[0]).group(1)) * MIB
     assert at_least > big.weight_bytes + 40000 * MIB / big.kv_bytes_per_token * spt  # the summaries counted
+    # a selector without key sums (hybrid-mid): min / max only, and that room goes to the pool
+    bare = make_plan(spec, "k8v4", 262144, 12 * GIB, None, held=held, retrieval=True, key_sums=False)
+    spt_bare = spec.num_layers * (2 * 2 * spec.num_kv_heads * spec.head_dim + 4) / 16
+    assert abs(bare.summary_bytes - (bare.gpu_kv_tokens + bare.host_kv_tokens) * spt_bare) < MIB
+    assert bare.fits and bare.gpu_kv_tokens > p.gpu_kv_tokens and bare.summary_bytes < 0.6 * p.summary_bytes
     # serve's check sizes the pools from this plan
     cfg = EngineConfig(device="cuda", max_model_len=262144, cache=CacheConfig(kv_dtype="k8v4"),
                        retrieval=replace(EngineConfig().retrieval, budget=2048))

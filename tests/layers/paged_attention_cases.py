@@ -372,10 +372,10 @@ class RetrievalStep:
 
 def retrieval_step(name: str, kv_heads: int, gqa: int, page_size: int, head_dim: int, ctx_lens: list[int],
                    budget: int, dtype: torch.dtype, device: str, seed: int,
-                   kernel: bool | None = None) -> RetrievalStep:
+                   kernel: bool | None = None, selector: str = "quest") -> RetrievalStep:
     """Sequences of ctx_lens on shuffled pages, history written as one prefill each (sink rows and
     summaries as the engine writes them), then one decode row each through RetrievalAttention
-    (quest, sink 1 token, window 1 page): every row with ctx > budget selects. kernel: None
+    (`selector`, sink 1 token, window 1 page): every row with ctx > budget selects. kernel: None
     records the selection (PyTorch path; RetrievalStep.sel); True / False attend through the
     kernel or the PyTorch path without recording (sel is None)."""
     from kvtier.config import RetrievalConfig
@@ -386,7 +386,7 @@ def retrieval_step(name: str, kv_heads: int, gqa: int, page_size: int, head_dim:
     num_pages = sum(need) + SPARE_PAGES
     pool = PagePool(make_format(name), 1, num_pages, kv_heads, page_size, head_dim, device, compute_dtype=dtype)
     scale = head_dim ** -0.5
-    att = RetrievalAttention(pool, scale, RetrievalConfig(budget=budget, sink=1, window=page_size),
+    att = RetrievalAttention(pool, scale, RetrievalConfig(budget=budget, sink=1, window=page_size, selector=selector),
                              record=kernel is None, kernel=bool(kernel))
     free = torch.randperm(num_pages, generator=g).tolist()
     tables = [[free.pop() for _ in range(n)] for n in need]

@@ -82,16 +82,18 @@ def test_store_kernels_compile(name: str, block: int) -> None:
 def test_selection_kernels_compile() -> None:
     pytest.importorskip("triton")
     import kvtier.kernels.retrieval_attention as ra
-    _compile(ra._quest_kernel, {"q_ptr": "*bf16", "ids_ptr": "*i64", "kmin_ptr": "*fp32", "kmax_ptr": "*fp32",
-                                "cnt_ptr": "*i32", "hmin_ptr": "*fp32", "hmax_ptr": "*fp32", "hcnt_ptr": "*i32",
-                                "lim_ptr": "*i64", "cand_ptr": "*i64", "out_ptr": "*fp32"},
-             dict(D=128, BLOCK_C=ra.SCORE_TILE // 128, REDUCE_MAX=False, HAS_HOST=True, HAS_LIMIT=True,
-                  CENTROID=False, FILL=True))
+    for mid in (False, True):  # hybrid-mid: the midrange scores from the bound's reads
+        _compile(ra._quest_kernel, {"q_ptr": "*bf16", "ids_ptr": "*i64", "kmin_ptr": "*bf16", "kmax_ptr": "*bf16",
+                                    "cnt_ptr": "*i32", "hmin_ptr": "*bf16", "hmax_ptr": "*bf16", "hcnt_ptr": "*i32",
+                                    "lim_ptr": "*i64", "cand_ptr": "*i64", "out_ptr": "*fp32", "mid_ptr": "*fp32"},
+                 dict(D=128, BLOCK_C=ra.SCORE_TILE // 128, REDUCE_MAX=False, HAS_HOST=True, HAS_LIMIT=True,
+                      CENTROID=False, FILL=True, MID=mid))
     _compile(ra._assemble_kernel, {n: "*i64" for n in ("top_ptr", "cidx_ptr", "cids_ptr", "fidx_ptr", "fids_ptr",
                                                        "topk_ptr", "idx_ptr", "ids_ptr")}, dict(BLOCK=128), warps=1)
-    _compile(ra._summary_rows_kernel, {"slot_ptr": "*i64", "k_ptr": "*bf16", "kmin_ptr": "*fp32",
-                                       "kmax_ptr": "*fp32", "ksum_ptr": "*fp32", "cnt_ptr": "*i32"},
-             dict(D=128), warps=1)
+    for has_sum in (True, False):
+        _compile(ra._summary_rows_kernel, {"slot_ptr": "*i64", "k_ptr": "*bf16", "kmin_ptr": "*fp32",
+                                           "kmax_ptr": "*fp32", "ksum_ptr": "*fp32", "cnt_ptr": "*i32"},
+                 dict(D=128, HAS_SUM=has_sum), warps=1)
     _compile(ra._topk_chunk_kernel, {"s_ptr": "*fp32", "live_ptr": "*i64", "out_ptr": "*i64"},
              dict(CH=1024, KP=64, HAS_LIVE=True), warps=ra.TOPK_CHUNK_WARPS)
     for group in (0, 4):  # one sort of every chunk's picks; with few live chunks, theirs only

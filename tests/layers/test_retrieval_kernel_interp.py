@@ -97,23 +97,25 @@ def main() -> None:
             check_update_summaries(ra, seed=1300 + i, dtype=torch.bfloat16)
         except AssertionError as e:
             failures.append(f"selection glue (seed {i}): {e}")
-    for i, (name, gqa) in enumerate(BACKEND_CASES):  # RetrievalAttention wired to the kernel
+    for i, (name, gqa, selector) in enumerate(BACKEND_CASES):  # RetrievalAttention wired to the kernels
         try:
-            check_backend_kernel(name, gqa, seed=700 + i)
+            check_backend_kernel(name, gqa, seed=700 + i, selector=selector)
         except AssertionError as e:
-            failures.append(f"RetrievalAttention kernel {name} gqa={gqa}: {e}")
+            failures.append(f"RetrievalAttention kernel {name} gqa={gqa} {selector}: {e}")
     print("\n".join(failures) if failures else "ALL OK")
 
 
-# RetrievalAttention(kernel=True) vs its PyTorch path: (format, gqa); int8 / k8v4 fold the
-# stored domain into the kernel (raw q in), fp16 does not rotate.
-BACKEND_CASES = [("fp32", 2), ("int8", 1), ("k8v4", 4), ("fp16", 2)]
+# RetrievalAttention(kernel=True) vs its PyTorch path: (format, gqa, selector); int8 / k8v4 fold
+# the stored domain into the kernel (raw q in), fp16 does not rotate; the hybrids score with the
+# fused kernels (hybrid-mid: bound and midrange from one launch, no key sums kept).
+BACKEND_CASES = [("fp32", 2, "quest"), ("int8", 1, "quest"), ("k8v4", 4, "quest"), ("fp16", 2, "quest"),
+                 ("fp32", 2, "hybrid"), ("fp32", 2, "hybrid-mid")]
 
 
-def check_backend_kernel(name: str, gqa: int, seed: int) -> None:
+def check_backend_kernel(name: str, gqa: int, seed: int, selector: str = "quest") -> None:
     dtype = torch.float16 if name == "fp16" else torch.float32
     args = (name, 2, gqa, 4, 64, [37, 30, 9, 53])
-    kw = dict(budget=20, dtype=dtype, device="cpu", seed=seed)
+    kw = dict(budget=24, dtype=dtype, device="cpu", seed=seed, selector=selector)
     ref = cases.retrieval_step(*args, kernel=False, **kw)
     got = cases.retrieval_step(*args, kernel=True, **kw)
     assert ref.q.shape[0] == 3 and torch.equal(ref.q, got.q)
@@ -167,6 +169,20 @@ def check_quest_scores(ra, hkv: int, g: int, d: int, with_host: bool, seed: int)
         assert torch.equal(filled.isinf() & (filled < 0), want_f.isinf() & (want_f < 0)), "filled -inf differ"
         fin = want_f.isfinite()
         assert torch.allclose(filled[fin], want_f[fin], rtol=1e-5, atol=1e-4), f"max={reduce_max}: filled scores"
+    # the midrange scores from the same reads (hybrid-mid's fused launch): the bound unchanged
+    limit = torch.tensor([37, 5, 0])
+    for lim_, cand_ in ((None, None), (limit, cand)):
+        bound, mid = ra.quest_scores(qg, dev, ids, False, host, limit=lim_, cand_idx=cand_, midrange=True)
+        assert torch.equal(bound, ra.quest_scores(qg, dev, ids, False, host, limit=lim_, cand_idx=cand_)), \
+            "midrange=True changed the bounds"
+        want_m = ra.midrange_scores_reference(qg, dev, ids, host)
+        if cand_ is not None:
+            off = (cand_ < 0)[:, None, :] | (torch.arange(37)[None, None, :] >= lim_[:, None, None])
+            want_m = want_m.masked_fill(off, float("-inf"))
+        assert torch.equal(mid.isinf(), want_m.isinf()), "midrange: inf (empty / masked) differ"
+        fin = want_m.isfinite()
+        assert bool(fin.any()) and torch.allclose(mid[fin], want_m[fin], rtol=1e-5, atol=1e-4), \
+            f"midrange: max |kernel - ref| = {(mid[fin] - want_m[fin]).abs().max():.3g}"
     # centroid_scores (the same kernel, key sums instead of min / max) == its reference
     ksum = (dev[0] + dev[1]).nan_to_num(0.0, 0.0, 0.0) * dev[2].float()[:, None, None]  # empty pages: 0
     cdev = (ksum, dev[2])
@@ -259,6 +275,18 @@ def check_update_summaries(ra, seed: int, device: str = "cpu", dtype: torch.dtyp
     for name in ("kmin", "kmax", "ksum", "count"):
         assert torch.equal(getattr(got, name).cpu(), getattr(ref, name).to(getattr(got, name).dtype)), \
             f"{name} differs ({dtype})"
+    # summaries without key sums (hybrid-mid and the Quest selectors): the same min / max / count
+    bare = PageSummaries(1, pages, hkv, d, ps, device, dtype, sums=False)
+    assert bare.ksum is None and bare.bytes_per_page_layer() == 2 * bare.kmin.element_size() * hkv * d + 4
+    for name in ("kmin", "kmax", "count"):
+        getattr(bare, name).copy_(getattr(got, name))
+    slots2 = torch.tensor([3 * ps, 6 * ps + 2])
+    k2 = torch.randn(2, hkv, d, generator=gen).to(torch.bfloat16)
+    ref.update(0, slots2, k2)
+    ra.update_summaries(bare.kmin[0], bare.kmax[0], None, bare.count[0], slots2.to(device), k2.to(device), ps)
+    for name in ("kmin", "kmax", "count"):
+        assert torch.equal(getattr(bare, name).cpu(), getattr(ref, name).to(getattr(bare, name).dtype)), \
+            f"{name} differs without key sums ({dtype})"
 
 
 @pytest.mark.parametrize("selector", ["quest", "quest-max"])
