@@ -689,7 +689,7 @@ def page_scores(selector: str, qg: torch.Tensor, summaries: PageSummaries, layer
         rows = lambda t: (t.kmin[layer], t.kmax[layer], t.count[layer])  # noqa: E731
         return quest_scores(qg, rows(summaries), cand_ids, selector == "quest-max",
                             rows(host) if host is not None else None, limit, cand_idx)
-    if kernel and selector == "midrange" and d & (d - 1) == 0:
+    if kernel and selector == "midrange" and d & (d - 1) == 0:  # hybrid-mid's launch (the bound is discarded)
         from kvtier.kernels.retrieval_attention import quest_scores
         rows = lambda t: (t.kmin[layer], t.kmax[layer], t.count[layer])  # noqa: E731
         return quest_scores(qg, rows(summaries), cand_ids, False, rows(host) if host is not None else None, limit,
