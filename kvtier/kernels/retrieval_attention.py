@@ -199,12 +199,12 @@ if HAVE_TRITON:
             n = tl.minimum(tl.load(lim_ptr + r).to(tl.int32), C)
         c = c0 + tl.arange(0, BLOCK_C)
         dst = out_ptr + (r * Hkv + h).to(tl.int64) * C + c
+        mdst = mid_ptr + (r * Hkv + h).to(tl.int64) * C + c
         if c0 >= n:  # a captured step scores the whole table width; most of it lies past the context
             if FILL:
                 tl.store(dst, tl.full([BLOCK_C], float("-inf"), tl.float32), mask=c < C)
                 if MID:
-                    tl.store(mid_ptr + (r * Hkv + h).to(tl.int64) * C + c, tl.full([BLOCK_C], float("-inf"),
-                                                                                     tl.float32), mask=c < C)
+                    tl.store(mdst, tl.full([BLOCK_C], float("-inf"), tl.float32), mask=c < C)
             return
         d = tl.arange(0, D)
         cm = c < n
@@ -245,7 +245,7 @@ if HAVE_TRITON:
                     acc = acc + bound
             if MID:
                 mid = tl.sum((kmin + kmax) * qs, axis=1) * 0.5
-                _store_scores(mid_ptr + (r * Hkv + h).to(tl.int64) * C + c, mid, cnt, cand_ptr, r, c, cm, C, FILL)
+                _store_scores(mdst, mid, cnt, cand_ptr, r, c, cm, C, FILL)
         _store_scores(dst, acc, cnt, cand_ptr, r, c, cm, C, FILL)
 
 
@@ -286,15 +286,16 @@ if HAVE_TRITON:
 
     @triton.jit(do_not_specialize=["NCH", "K", "H", "C", "CH"])
     def _topk_merge_kernel(key_ptr, live_ptr, out_ptr, NCH, K, H, C, CH, KP: tl.constexpr, NP: tl.constexpr,
-                           GROUP: tl.constexpr, HAS_LIVE: tl.constexpr):
+                           GROUP: tl.constexpr):
         """One row-head: the K best of its chunks' keys -> columns, best first; a pick whose score
-        is -inf comes back as column -1. All NCH chunks' keys in one sort of NP, except (GROUP > 0)
-        where at most GROUP chunks hold a column below live[rh // H]: then only theirs, one sort
-        of GROUP * KP (past live every key is -inf: those picks are -1 either way)."""
+        is -inf comes back as column -1. All NCH chunks' keys in one sort of NP, except (GROUP > 0,
+        which takes live_ptr) where at most GROUP chunks hold a column below live[rh // H]: then
+        only theirs, one sort of GROUP * KP (past live every key is -inf: those picks are -1 either
+        way)."""
         rh = tl.program_id(0)
         base = key_ptr + rh.to(tl.int64) * NCH * KP
         n = NCH
-        if HAS_LIVE and GROUP > 0:
+        if GROUP > 0:
             lv = tl.minimum(tl.load(live_ptr + rh // H).to(tl.int32), C)
             n = tl.maximum(tl.minimum((lv + CH - 1) // CH, NCH), 1)
         if GROUP > 0 and n <= GROUP:
@@ -443,9 +444,8 @@ def topk_columns(scores: torch.Tensor, k: int, live: torch.Tensor | None = None)
                                      HAS_LIVE=live is not None, num_warps=TOPK_CHUNK_WARPS)
     group = TOPK_MERGE_GROUP if 0 < TOPK_MERGE_GROUP < nch and live is not None else 0
     np_ = triton.next_power_of_2(nch) * kp
-    _topk_merge_kernel[(r * h,)](keys, live.contiguous() if live is not None else keys, out, nch, k, h, c, ch, KP=kp,
-                                 NP=np_, GROUP=group, HAS_LIVE=live is not None,
-                                 num_warps=min(16, max(4, np_ // TOPK_MERGE_KEYS_PER_WARP)))
+    _topk_merge_kernel[(r * h,)](keys, live.contiguous() if group else keys, out, nch, k, h, c, ch, KP=kp, NP=np_,
+                                 GROUP=group, num_warps=min(16, max(4, np_ // TOPK_MERGE_KEYS_PER_WARP)))
     return out
 
 

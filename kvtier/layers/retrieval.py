@@ -423,11 +423,8 @@ class RetrievalAttention:
         hybrid-mid's on the fused path in one launch (both from one read of kmin / kmax)."""
         second = HYBRIDS[self.config.selector]
         if second == "midrange" and sel.pad is None:
-            from kvtier.kernels.retrieval_attention import quest_scores
-            rows = lambda t: (t.kmin[layer], t.kmax[layer], t.count[layer])  # noqa: E731
-            host = self.host_summaries
-            return quest_scores(qg, rows(self.summaries), sel.cand_ids, False, rows(host) if host is not None else None,
-                                sel.limit, sel.cand_idx, midrange=True)
+            return layer_quest_scores(qg, self.summaries, self.host_summaries, layer, sel.cand_ids, False, sel.limit,
+                                      sel.cand_idx, midrange=True)
         return self._scores("quest", qg, layer, sel), self._scores(second, qg, layer, sel)
 
     def _scores(self, selector: str, qg: torch.Tensor, layer: int, sel: "_Selection") -> torch.Tensor:
@@ -671,6 +668,17 @@ def summary_rows(summaries: PageSummaries, host: PageSummaries | None, name: str
     return torch.where((ids < 0).view(*ids.shape, *([1] * (g.dim() - ids.dim()))), h, g)
 
 
+def layer_quest_scores(qg: torch.Tensor, summaries: PageSummaries, host: PageSummaries | None, layer: int,
+                       cand_ids: torch.Tensor, reduce_max: bool, limit: torch.Tensor | None,
+                       cand_idx: torch.Tensor | None, midrange: bool = False):
+    """kernels/retrieval_attention.py quest_scores over one layer's summaries of both tiers (its
+    arguments and result)."""
+    from kvtier.kernels.retrieval_attention import quest_scores
+    rows = lambda t: (t.kmin[layer], t.kmax[layer], t.count[layer])  # noqa: E731
+    return quest_scores(qg, rows(summaries), cand_ids, reduce_max, rows(host) if host is not None else None, limit,
+                        cand_idx, midrange=midrange)
+
+
 def page_scores(selector: str, qg: torch.Tensor, summaries: PageSummaries, layer: int,
                 cand_ids: torch.Tensor, host: PageSummaries | None = None, kernel: bool = False,
                 limit: torch.Tensor | None = None, cand_idx: torch.Tensor | None = None) -> torch.Tensor:
@@ -684,16 +692,10 @@ def page_scores(selector: str, qg: torch.Tensor, summaries: PageSummaries, layer
     them), or with `cand_idx` ([R, C], -1: not a candidate) write -inf there and at those columns.
     """
     r, hkv, d = qg.shape[0], qg.shape[1], qg.shape[-1]
-    if kernel and selector in ("quest", "quest-max") and d & (d - 1) == 0:
-        from kvtier.kernels.retrieval_attention import quest_scores
-        rows = lambda t: (t.kmin[layer], t.kmax[layer], t.count[layer])  # noqa: E731
-        return quest_scores(qg, rows(summaries), cand_ids, selector == "quest-max",
-                            rows(host) if host is not None else None, limit, cand_idx)
-    if kernel and selector == "midrange" and d & (d - 1) == 0:  # hybrid-mid's launch (the bound is discarded)
-        from kvtier.kernels.retrieval_attention import quest_scores
-        rows = lambda t: (t.kmin[layer], t.kmax[layer], t.count[layer])  # noqa: E731
-        return quest_scores(qg, rows(summaries), cand_ids, False, rows(host) if host is not None else None, limit,
-                            cand_idx, midrange=True)[1]
+    if kernel and selector in ("quest", "quest-max", "midrange") and d & (d - 1) == 0:
+        got = layer_quest_scores(qg, summaries, host, layer, cand_ids, selector == "quest-max", limit, cand_idx,
+                                 midrange=selector == "midrange")
+        return got[1] if selector == "midrange" else got  # midrange: hybrid-mid's launch, the bound discarded
     if kernel and selector == "centroid" and d & (d - 1) == 0:
         from kvtier.kernels.retrieval_attention import centroid_scores
         rows = lambda t: (t.ksum[layer], t.count[layer])  # noqa: E731

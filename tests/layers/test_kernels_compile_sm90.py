@@ -98,7 +98,7 @@ def test_selection_kernels_compile() -> None:
              dict(CH=1024, KP=64, HAS_LIVE=True), warps=ra.TOPK_CHUNK_WARPS)
     for group in (0, 4):  # one sort of every chunk's picks; with few live chunks, theirs only
         _compile(ra._topk_merge_kernel, {"key_ptr": "*i64", "live_ptr": "*i64", "out_ptr": "*i64"},
-                 dict(KP=64, NP=32 * 64, GROUP=group, HAS_LIVE=True), warps=16)
+                 dict(KP=64, NP=32 * 64, GROUP=group), warps=16)
 
 
 @pytest.mark.parametrize("vector_x", [False, True])
