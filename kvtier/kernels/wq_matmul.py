@@ -188,8 +188,9 @@ class GemvConfig:
     # layers 75.5 -> 67.7 us (55% -> 62% of the bandwidth): qkv 12.5 -> 10.2, o_proj 12.2 -> 10.7,
     # gate_up 30.0 -> 28.4, down 20.8 -> 18.5. (Two or four rows a warp a step at 2 or 1 chunks, 72 / 64
     # registers instead of 128, were slower: 79.2 / 95.3 us; occupancy does not bound this kernel.)
-    # The 8-bit kernel takes it too, not timed yet.
-    vector_x: bool = True
+    # The 8-bit kernel lost with it: the same layers at 8 bits 100.4 -> 102.9 us (70% -> 68%), so
+    # None (the default) means on for 4-bit weights and off for 8-bit ones.
+    vector_x: bool | None = None
 
 
 # Defaults by regime (to be replaced by the sweep's winners, tools/sweep_wq.py).
@@ -684,7 +685,8 @@ def wq_gemv(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None = None,
     grid = (mrows, triton.cdiv(n, block_n), split)
     _gemv_kernel[grid](x, w.qweight.view(torch.int32), w.scales, mins, b, r, y, part, mrows, n, k, x.stride(0),
                        stride_rm, BLOCK_N=block_n, ROWS=rows, LANES=lanes, CPT=cpt, PARTIAL=split > 1,
-                       PREFETCH=cfg.prefetch, ASM=not INTERPRETED, VEC_X=cfg.vector_x, num_warps=cfg.num_warps,
+                       PREFETCH=cfg.prefetch, ASM=not INTERPRETED,
+                       VEC_X=cfg.vector_x if cfg.vector_x is not None else w.bits == 4, num_warps=cfg.num_warps,
                        **const)
     if split > 1:
         _reduce_kernel[(mrows, triton.cdiv(n, REDUCE_BLOCK))](

@@ -1,8 +1,8 @@
 """HF config fields of real model shapes, by name: what `kvtier plan` and `kvtier bench --shape`
 size and build without the real files (kvtier/bench/shapes.py builds random-weight models of them).
 
-A name in QUANT_SHAPES is built with 4-bit QuantWeight matrices directly (no dense copy, no HF
-model): the memory and bandwidth of serving a 4-bit checkpoint of that shape."""
+A name in QUANT_SHAPES is built with 4-bit or 8-bit QuantWeight matrices directly (no dense copy,
+no HF model): the memory and bandwidth of serving a checkpoint of that shape at that width."""
 
 from __future__ import annotations
 
@@ -34,5 +34,7 @@ QUANT_SHAPES: dict[str, tuple[str, int, int]] = {
     "qwen3-8b-int4": ("qwen3-8b", 4, 32),
     "qwen3-32b-int4": ("qwen3-32b", 4, 32),
     "llama-tiny-int4": ("llama-tiny", 4, 32),
+    "qwen3-8b-int8": ("qwen3-8b", 8, 32),
+    "llama-tiny-int8": ("llama-tiny", 8, 32),
 }
 SHAPES.update({name: SHAPES[base] for name, (base, _, _) in QUANT_SHAPES.items()})

@@ -172,7 +172,8 @@ class _CudaRA:
         def on_cuda(*args, **kw):
             mv = lambda x: (x.cuda() if isinstance(x, torch.Tensor)  # noqa: E731
                             else tuple(mv(t) for t in x) if isinstance(x, tuple) else x)
-            return fn(*(mv(a) for a in args), **{k: mv(v) for k, v in kw.items()}).cpu()
+            out = fn(*(mv(a) for a in args), **{k: mv(v) for k, v in kw.items()})
+            return tuple(t.cpu() for t in out) if isinstance(out, tuple) else out.cpu()  # midrange: (bound, mid)
         return on_cuda
 
 

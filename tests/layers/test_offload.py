@@ -69,15 +69,18 @@ def test_small_tensors_stay_and_take_after_finish_refuses():
         off.take(1, torch.nn.Linear(256, 256))
 
 
-def test_random_4bit_shape_streams_while_built(monkeypatch):
-    """bench --shape: the random QuantWeights are made per tensor as the build asks (their own
-    seeds), so a streamed build equals the whole one."""
+@pytest.mark.parametrize("shape", ["llama-tiny-int4", "llama-tiny-int8"])
+def test_random_quant_shape_streams_while_built(monkeypatch, shape: str):
+    """bench --shape: the random QuantWeights (4- and 8-bit) are made per tensor as the build asks
+    (their own seeds), so a streamed build equals the whole one."""
     import kvtier.layers.offload as offload_mod
     from kvtier.bench.shapes import random_quant_decoder
 
     monkeypatch.setattr(offload_mod, "MIN_STREAM_BYTES", 0)  # a tiny shape: stream every tensor
     ids = list(range(3, 40))
-    whole = random_quant_decoder("llama-tiny-int4", torch.bfloat16, torch.device("cpu"))
-    streamed = random_quant_decoder("llama-tiny-int4", torch.bfloat16, torch.device("cpu"), offload_layers=2)
+    whole = random_quant_decoder(shape, torch.bfloat16, torch.device("cpu"))
+    streamed = random_quant_decoder(shape, torch.bfloat16, torch.device("cpu"), offload_layers=2)
+    from kvtier.layers.qlinear import QuantLinear
+    assert {m.weight.bits for m in whole.modules() if isinstance(m, QuantLinear)} == {int(shape[-1])}
     assert streamed.offload is not None and streamed.offload.layers == [0, 1]
     assert torch.equal(_logits(streamed, ids), _logits(whole, ids))

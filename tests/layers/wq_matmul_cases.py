@@ -108,7 +108,9 @@ def paths(wq: ModuleType, interpreted: bool) -> dict[str, Callable]:
         "gemv": gv(gemv),
         "gemv_split_no_prefetch": gv(replace(gemv_split, prefetch=False)),
         "gemv_split": gv(gemv_split),
-        "gemv_scalar_x": gv(replace(gemv, vector_x=False)),  # the default loads x a word at a time
+        # the default loads x a word at a time for 4-bit weights, a value at a time for 8-bit ones
+        "gemv_scalar_x": gv(replace(gemv, vector_x=False)),
+        "gemv_vector_x": gv(replace(gemv, vector_x=True)),
         "gemv_split_scalar_x": gv(replace(gemv_split, vector_x=False)),
         "fma": sk(base),
         "fma_magic": sk(s(**tile, cvt="magic")),
