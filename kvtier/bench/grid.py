@@ -48,6 +48,7 @@ class GridRow:
     step_bytes: float  # bytes one decode step reads from device memory (weights + KV at the mean context)
     bandwidth: float
     bus_s: float = 0.0  # seconds a step's streamed layers take over the host bus at its measured speed
+    step_ms: tuple[float, float] = (0.0, 0.0)  # decode step wall time, median and slowest
 
     @property
     def bw_pct(self) -> float:
@@ -72,8 +73,10 @@ def measure_bus(dev: torch.device, mib: int = 512) -> float:
     return 4 * (mib << 20) / (time.perf_counter() - t0)
 
 
-def run_batch(engine, prompts: list[list[int]], gen: int) -> tuple[float, float, int]:
-    """All prompts at once, greedy. -> (TTFT of the last first token, decode seconds, tokens)."""
+def run_batch(engine, prompts: list[list[int]], gen: int) -> tuple[float, float, int, tuple[float, float]]:
+    """All prompts at once, greedy. -> (TTFT of the last first token, decode seconds, tokens,
+    (median, slowest) decode step in ms: a stall, e.g. a garbage collection or a wait on the
+    prefill's copies, shows as a slowest step far above the median)."""
     from kvtier.engine.request import Request, SamplingParams
 
     for ids in prompts:
@@ -84,8 +87,13 @@ def run_batch(engine, prompts: list[list[int]], gen: int) -> tuple[float, float,
     first: set[str] = set()
     t_first = None
     n = 0
+    steps: list[float] = []
     while engine.has_unfinished():
-        for o in engine.step():
+        t_step = time.perf_counter()
+        outs = engine.step()
+        if t_first is not None:
+            steps.append(time.perf_counter() - t_step)
+        for o in outs:
             n += len(o.token_ids)
             if o.token_ids and o.request_id not in first:
                 first.add(o.request_id)
@@ -95,7 +103,9 @@ def run_batch(engine, prompts: list[list[int]], gen: int) -> tuple[float, float,
     _sync(engine.device)
     t_end = time.perf_counter()
     assert t_first is not None
-    return t_first - t0, t_end - t_first, n
+    steps.sort()
+    step_ms = (steps[len(steps) // 2] * 1e3, steps[-1] * 1e3) if steps else (0.0, 0.0)
+    return t_first - t0, t_end - t_first, n, step_ms
 
 
 def run_grid(a: argparse.Namespace, config: EngineConfig) -> int:
@@ -136,6 +146,8 @@ def run_grid(a: argparse.Namespace, config: EngineConfig) -> int:
         kvpt = kv_bytes_per_token(make_format(kv), spec.num_kv_heads, spec.head_dim, cfg.cache.page_size,
                                   dt) * spec.num_layers
         run_batch(engine, [synthetic_ids(WARMUP_PROMPT, spec.vocab_size, 3)], WARMUP_GEN)  # warm-up
+        gc.collect()
+        gc.freeze()  # as `kvtier serve` does: no collection walks the startup objects mid-row
         for ctx in contexts:
             for b in batches:
                 if b * (ctx + a.gen_tokens) > engine.manager.num_gpu_pages * cfg.cache.page_size \
@@ -146,10 +158,10 @@ def run_grid(a: argparse.Namespace, config: EngineConfig) -> int:
                     console.print(f"[dim]skip {kv} ctx {ctx} batch {b}: over --grid-max-tokens[/]")
                     continue
                 prompts = [synthetic_ids(ctx, spec.vocab_size, 31 + 2 * j) for j in range(b)]
-                ttft, dec_s, n = run_batch(engine, prompts, a.gen_tokens)
+                ttft, dec_s, n, step_ms = run_batch(engine, prompts, a.gen_tokens)
                 mean_ctx = ctx + a.gen_tokens / 2
                 rows.append(GridRow("kvtier", kv, ctx, b, ttft, b * ctx / ttft, (n - b) / dec_s,
-                                    wbytes - streamed + b * mean_ctx * kvpt, bw, bus_s))
+                                    wbytes - streamed + b * mean_ctx * kvpt, bw, bus_s, step_ms))
                 console.print(_fmt(rows[-1]))
                 if i == 0 and b == 1 and not a.no_hf and hf is not None:
                     r = bench_hf_model(hf, prompts[0], a.gen_tokens, dev, bw)
@@ -162,6 +174,7 @@ def run_grid(a: argparse.Namespace, config: EngineConfig) -> int:
             peak = max(peak, torch.cuda.max_memory_reserved(dev))
             console.print(f"[dim]{kv}: peak GPU memory {peak / 2**30:.2f} GiB (torch's allocator)[/]")
         del engine
+        gc.unfreeze()
         gc.collect()
         torch.cuda.empty_cache() if dev.type == "cuda" else None
     _report(console, a, rows, bw, wbytes, peak, streamed, len(net.offload.layers) if streamed else 0)
@@ -171,7 +184,8 @@ def run_grid(a: argparse.Namespace, config: EngineConfig) -> int:
 def _fmt(r: GridRow) -> str:
     return (f"{r.engine:16s} kv {r.kv:5s} ctx {r.context:6d} batch {r.batch:3d}: TTFT {r.ttft_s * 1e3:8.1f} ms, "
             f"prefill {r.prefill_tok_s:8.0f} tok/s, decode {r.decode_tok_s:8.1f} tok/s, "
-            f"{r.bw_pct:4.0f}% of bound")
+            f"{r.bw_pct:4.0f}% of bound" + (f", step ms {r.step_ms[0]:.2f} median / {r.step_ms[1]:.2f} slowest"
+                                             if r.step_ms[1] else ""))
 
 
 def _report(console: Console, a: argparse.Namespace, rows: list[GridRow], bw: float, wbytes: int,
@@ -186,13 +200,15 @@ def _report(console: Console, a: argparse.Namespace, rows: list[GridRow], bw: fl
         if getattr(a, "gpu_memory_limit", None):
             title += f" (--gpu-memory-limit {a.gpu_memory_limit})"
     table = Table(title=title)
-    cols = ("engine", "KV", "context", "batch", "TTFT ms", "prefill tok/s", "decode tok/s", "% of bound")
+    cols = ("engine", "KV", "context", "batch", "TTFT ms", "prefill tok/s", "decode tok/s", "% of bound",
+            "step ms (median / slowest)")
     for c in cols:
         table.add_column(c, justify="left" if c in ("engine", "KV") else "right", no_wrap=True)
     out = []
     for r in rows:
         row = (r.engine, r.kv, str(r.context), str(r.batch), f"{r.ttft_s * 1e3:.0f}", f"{r.prefill_tok_s:.0f}",
-               f"{r.decode_tok_s:.1f}", f"{r.bw_pct:.0f}%")
+               f"{r.decode_tok_s:.1f}", f"{r.bw_pct:.0f}%",
+               f"{r.step_ms[0]:.2f} / {r.step_ms[1]:.2f}" if r.step_ms[1] else "")
         table.add_row(*row)
         out.append(row)
     console.print(table)

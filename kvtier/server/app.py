@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import gc
 import hmac
 import html
 import logging
@@ -250,4 +251,9 @@ def serve(engine, config: ServerConfig) -> None:
     import uvicorn
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     app = create_app(engine, config)
+    # The model, tokenizer, engine and imports (~370K objects: a full collection took 160 ms on a
+    # 2-core CPU) go to the permanent generation, so no collection walks them between two tokens
+    # of a stream; what requests allocate is collected as before.
+    gc.collect()
+    gc.freeze()
     uvicorn.run(app, host=config.host, port=config.port, log_level="info", timeout_graceful_shutdown=5)

@@ -51,6 +51,8 @@ def test_grid_bench_rows(tmp_path):
     assert {(r[1].strip(), r[2].strip(), r[3].strip()) for r in rows} == {
         (kv, c, b) for kv in ("fp32", "int8") for c in ("40", "70") for b in ("1", "2")}
     assert all(float(r[6]) > 0 and r[7].strip().endswith("%") for r in rows)
+    steps = [[float(x) for x in r[8].split("/")] for r in rows]  # decode step ms: median / slowest
+    assert all(0 < med <= slowest for med, slowest in steps)
 
 
 def test_grid_bench_shorter_than_its_warm_up(tmp_path):
