@@ -49,6 +49,7 @@ def main() -> None:
     p.add_argument("--gpu-kv-mib", type=int, default=1432)
     p.add_argument("--host-kv-mib", type=int, default=8000)
     p.add_argument("--budget", type=int, default=2048)
+    p.add_argument("--selector", default="hybrid", help="a config.SELECTORS name")
     a = p.parse_args()
     _, net = random_model(a.shape, torch.bfloat16, torch.device("cuda"))
     for case in a.cases.split(","):
@@ -56,7 +57,7 @@ def main() -> None:
         prompt, mml = int(parts[0]), int(parts[1])
         graphs = "off" if "eager" in parts else "auto"
         cfg = EngineConfig(device="cuda", dtype="bf16", cuda_graphs=graphs, max_model_len=mml, max_batch=2,
-                           retrieval=RetrievalConfig(budget=a.budget),
+                           retrieval=RetrievalConfig(budget=a.budget, selector=a.selector),
                            cache=CacheConfig(kv_dtype="k8v4", gpu_kv_mib=a.gpu_kv_mib, host_kv_mib=a.host_kv_mib))
         t = time.perf_counter()
         eng = Engine(net, None, cfg, model_name="p")

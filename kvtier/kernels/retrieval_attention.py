@@ -147,6 +147,9 @@ def paged_decode_selected_reference(q: torch.Tensor, st: dict[str, torch.Tensor]
 # sm_90 offline, 4 warps: 123 registers (165 with a host tier) at D = 128, no spills; 8192 spilled
 # at D = 256 with a host tier.
 SCORE_TILE = 4096
+# The Quest bound (and midrange) of a tile as two tensor-core products over all the group's query
+# heads (_quest_kernel's DOT) instead of a shuffle reduction per head. Not yet timed on a GPU.
+SCORE_DOT = False
 # topk_columns: columns a chunk program sorts (at least; long rows take longer chunks so that at
 # most TOPK_MAX_CHUNKS chunks' picks reach the merge program), the warps of a
 # chunk program, and a chunk holds at least TOPK_CHUNK_PICKS times the (power-of-two) picks. H100,
@@ -183,14 +186,18 @@ if HAVE_TRITON:
     def _quest_kernel(q_ptr, ids_ptr, kmin_ptr, kmax_ptr, cnt_ptr, hmin_ptr, hmax_ptr, hcnt_ptr, lim_ptr, cand_ptr,
                       out_ptr, mid_ptr, Hkv, G, C, D: tl.constexpr, BLOCK_C: tl.constexpr, REDUCE_MAX: tl.constexpr,
                       HAS_HOST: tl.constexpr, HAS_LIMIT: tl.constexpr, CENTROID: tl.constexpr,
-                      FILL: tl.constexpr, MID: tl.constexpr = False):
+                      FILL: tl.constexpr, MID: tl.constexpr = False, DOT: tl.constexpr = False,
+                      GP: tl.constexpr = 16):
         """One (row r, kv head h, BLOCK_C candidates): bound of each of the G query heads of h,
         summed (quest) or maxed (quest-max) over them; pages with no rows score +inf. HAS_LIMIT:
         columns at or past lim[r] are neither read nor written. CENTROID: kmin / hmin hold the
         pages' key sums instead, and the score is the group's summed q . the page's mean key
         (kmax / hmax are not read). FILL: every column is written, -inf where cand[r, c] < 0 or
         past the limit (the scores top-k reads as they are). MID (with the bound): also the
-        group's summed q . (kmin + kmax) / 2 into mid_ptr, from the same loads."""
+        group's summed q . (kmin + kmax) / 2 into mid_ptr, from the same loads. DOT: the bound as
+        q . mid + |q| . half-range (the same sum: max(q m, q M) = q (m + M) / 2 + |q| (M - m) / 2),
+        all G heads in two [BLOCK_C, D] x [D, GP] tensor-core products (tf32x3, about fp32) instead
+        of G shuffle reductions a tile; GP >= 16 columns, those past G zero."""
         r = tl.program_id(0)
         h = tl.program_id(1)
         c0 = tl.program_id(2) * BLOCK_C
@@ -231,6 +238,18 @@ if HAVE_TRITON:
             for g in range(0, G):
                 qs += tl.load(q_row + g * D + d).to(tl.float32)
             acc = tl.sum(kmin * qs[None, :], axis=1) / tl.maximum(cnt, 1).to(tl.float32)
+        elif DOT:
+            gi = tl.arange(0, GP)
+            qm = tl.load(q_row + gi[None, :] * D + d[:, None], mask=gi[None, :] < G, other=0.0).to(tl.float32)
+            mid_k = (kmin + kmax) * 0.5  # [BLOCK_C, D]; an empty page's inf - inf rows are masked below
+            dm = tl.dot(mid_k, qm, input_precision="tf32x3")  # [BLOCK_C, GP]: q_g . mid
+            bound = dm + tl.dot((kmax - kmin) * 0.5, tl.abs(qm), input_precision="tf32x3")
+            if REDUCE_MAX:
+                acc = tl.max(tl.where(gi[None, :] < G, bound, float("-inf")), axis=1)
+            else:
+                acc = tl.sum(bound, axis=1)  # columns past G are zero
+            if MID:
+                _store_scores(mdst, tl.sum(dm, axis=1), cnt, cand_ptr, r, c, cm, C, FILL)
         else:
             acc = tl.full([BLOCK_C], float("-inf") if REDUCE_MAX else 0.0, tl.float32)
             qs = tl.zeros([1, D], tl.float32)
@@ -284,14 +303,15 @@ if HAVE_TRITON:
         key = tl.where(c < C, _column_keys(s, c), NO_KEY)
         tl.store(dst, tl.topk(key, KP))
 
-    @triton.jit(do_not_specialize=["NCH", "K", "H", "C", "CH"])
-    def _topk_merge_kernel(key_ptr, live_ptr, out_ptr, NCH, K, H, C, CH, KP: tl.constexpr, NP: tl.constexpr,
-                           GROUP: tl.constexpr):
-        """One row-head: the K best of its chunks' keys -> columns, best first; a pick whose score
-        is -inf comes back as column -1. All NCH chunks' keys in one sort of NP, except (GROUP > 0,
-        which takes live_ptr) where at most GROUP chunks hold a column below live[rh // H]: then
-        only theirs, one sort of GROUP * KP (past live every key is -inf: those picks are -1 either
-        way)."""
+    @triton.jit(do_not_specialize=["NCH", "K", "H", "C", "CH", "OUT_STRIDE"])
+    def _topk_merge_kernel(key_ptr, live_ptr, out_ptr, exc_ptr, NCH, K, H, C, CH, OUT_STRIDE, KP: tl.constexpr,
+                           NP: tl.constexpr, GROUP: tl.constexpr, EXCLUDE: tl.constexpr = False):
+        """One row-head: the K best of its chunks' keys -> columns, best first, at out_ptr + rh *
+        OUT_STRIDE; a pick whose score is -inf comes back as column -1. All NCH chunks' keys in one
+        sort of NP, except (GROUP > 0, which takes live_ptr) where at most GROUP chunks hold a
+        column below live[rh // H]: then only theirs, one sort of GROUP * KP (past live every key
+        is -inf: those picks are -1 either way). EXCLUDE: -inf written at each pick's column of
+        another [rows x H, C] score table (exc_ptr), so that a later top-k over it skips them."""
         rh = tl.program_id(0)
         base = key_ptr + rh.to(tl.int64) * NCH * KP
         n = NCH
@@ -308,7 +328,10 @@ if HAVE_TRITON:
         col = low - (top & low)
         live = (top >> 32) > -0x7F800001  # above -inf's key (0x807FFFFF as a signed int32)
         j = tl.arange(0, KP)
-        tl.store(out_ptr + rh.to(tl.int64) * K + j, tl.where(live, col, -1), mask=j < K)
+        tl.store(out_ptr + rh.to(tl.int64) * OUT_STRIDE + j, tl.where(live, col, -1), mask=j < K)
+        if EXCLUDE:
+            tl.store(exc_ptr + rh.to(tl.int64) * C + col, tl.full([KP], float("-inf"), tl.float32),
+                     mask=(j < K) & live)
 
     @triton.jit(do_not_specialize=["Hkv", "C", "F", "K"])
     def _assemble_kernel(top_ptr, cidx_ptr, cids_ptr, fidx_ptr, fids_ptr, topk_ptr, idx_ptr, ids_ptr, Hkv, C, F, K,
@@ -417,7 +440,8 @@ def assemble_lists(top: torch.Tensor, cand_idx: torch.Tensor, cand_ids: torch.Te
     return idx, ids
 
 
-def topk_columns(scores: torch.Tensor, k: int, live: torch.Tensor | None = None) -> torch.Tensor:
+def topk_columns(scores: torch.Tensor, k: int, live: torch.Tensor | None = None, out: torch.Tensor | None = None,
+                 exclude: torch.Tensor | None = None) -> torch.Tensor:
     """The k best columns of each score row, best first, in two launches: every chunk of
     TOPK_CHUNK columns sorts its own best keys (many programs over a long row, where torch.topk
     runs one block a row: 63 us for 16K columns x 8 heads on an H100), then one program a row
@@ -426,13 +450,20 @@ def topk_columns(scores: torch.Tensor, k: int, live: torch.Tensor | None = None)
     scores: [R, H, C] fp32; live: [R] int, row r's columns at or past live[r] score -inf without
     being read. -> [R, H, k] int64 columns; ties go to the lower column; a pick scoring -inf is
     -1, so a caller that masked pages out with -inf never gets one back, even where a row
-    has fewer than k others. `topk_columns_reference` is the same in PyTorch. No host sync."""
+    has fewer than k others. out: [R, H, k] int64, written instead of a new tensor (a slice of
+    a wider list whose rows are H x out.stride(1) apart: a hybrid's halves into one list);
+    exclude: [R, H, C] fp32 contiguous, -inf written at every pick (not -1) from the same launch
+    (a hybrid's second scores lose the first half's picks). `topk_columns_reference` is the same
+    in PyTorch. No host sync."""
     if not HAVE_TRITON:
         raise RuntimeError("topk_columns needs Triton; use topk_columns_reference on CPU")
     r, h, c = scores.shape
     if not 0 <= k <= c:
         raise ValueError(f"topk_columns: k = {k} must be within 0 .. {c} columns")
-    out = torch.empty((r, h, k), dtype=torch.int64, device=scores.device)
+    out = _topk_out(out, r, h, k, scores.device)
+    if exclude is not None and (exclude.shape != scores.shape or exclude.dtype != torch.float32
+                                or not exclude.is_contiguous()):
+        raise ValueError(f"topk_columns: exclude must be a contiguous fp32 {tuple(scores.shape)} table")
     if r * h == 0 or k == 0:
         return out
     kp = max(2, triton.next_power_of_2(k))  # k = 1 as a one-key tl.topk failed on an H100 (untraced)
@@ -444,18 +475,40 @@ def topk_columns(scores: torch.Tensor, k: int, live: torch.Tensor | None = None)
                                      HAS_LIVE=live is not None, num_warps=TOPK_CHUNK_WARPS)
     group = TOPK_MERGE_GROUP if 0 < TOPK_MERGE_GROUP < nch and live is not None else 0
     np_ = triton.next_power_of_2(nch) * kp
-    _topk_merge_kernel[(r * h,)](keys, live.contiguous() if group else keys, out, nch, k, h, c, ch, KP=kp, NP=np_,
-                                 GROUP=group, num_warps=min(16, max(4, np_ // TOPK_MERGE_KEYS_PER_WARP)))
+    _topk_merge_kernel[(r * h,)](keys, live.contiguous() if group else keys, out,
+                                 exclude if exclude is not None else s, nch, k, h, c, ch, out.stride(1), KP=kp,
+                                 NP=np_, GROUP=group, EXCLUDE=exclude is not None,
+                                 num_warps=min(16, max(4, np_ // TOPK_MERGE_KEYS_PER_WARP)))
     return out
 
 
-def topk_columns_reference(scores: torch.Tensor, k: int, live: torch.Tensor | None = None) -> torch.Tensor:
+def _topk_out(out: torch.Tensor | None, r: int, h: int, k: int, device: torch.device) -> torch.Tensor:
+    """topk_columns' result tensor: a new [R, H, k] one, or `out` checked to be an int64 [R, H, k]
+    view whose rows lie H x stride(1) apart with unit steps (a slice of a wider list)."""
+    if out is None:
+        return torch.empty((r, h, k), dtype=torch.int64, device=device)
+    if out.shape != (r, h, k) or out.dtype != torch.int64 or (k > 1 and out.stride(2) != 1) \
+            or (r > 1 and out.stride(0) != h * out.stride(1)):
+        raise ValueError(f"topk_columns: out must be an int64 ({r}, {h}, {k}) view with rows h x stride(1) apart")
+    return out
+
+
+def topk_columns_reference(scores: torch.Tensor, k: int, live: torch.Tensor | None = None,
+                           out: torch.Tensor | None = None, exclude: torch.Tensor | None = None) -> torch.Tensor:
     """topk_columns in PyTorch (same arguments, any device): a stable descending sort."""
     s = scores.float()
     if live is not None:
         s = s.masked_fill(torch.arange(s.shape[-1], device=s.device) >= live[:, None, None], float("-inf"))
     order = torch.sort(s, dim=-1, descending=True, stable=True).indices[..., :k]
-    return torch.where(s.gather(-1, order) > float("-inf"), order, -1)
+    top = torch.where(s.gather(-1, order) > float("-inf"), order, -1)
+    if exclude is not None:
+        hits = torch.zeros(exclude.shape, dtype=torch.int32, device=exclude.device)
+        hits.scatter_add_(-1, top.clamp_min(0), (top >= 0).to(torch.int32))  # a -1 pick adds nothing
+        exclude.masked_fill_(hits > 0, float("-inf"))
+    if out is None:
+        return top
+    out.copy_(top)
+    return out
 
 
 def assemble_lists_reference(top: torch.Tensor, cand_idx: torch.Tensor, cand_ids: torch.Tensor,
@@ -515,7 +568,7 @@ def _launch_scores(qg: torch.Tensor, dev: tuple, cand_ids: torch.Tensor, host: t
         qg.contiguous(), cand_ids.contiguous(), dev[0], dev[1], dev[2], hmin, hmax, hcnt, lim, cand, out,
         mid if mid is not None else out, hkv, g, c, D=d, BLOCK_C=max(1, SCORE_TILE // d), REDUCE_MAX=reduce_max,
         HAS_HOST=host is not None, HAS_LIMIT=limit is not None, CENTROID=centroid, FILL=cand_idx is not None,
-        MID=midrange, num_warps=4)
+        MID=midrange, DOT=SCORE_DOT and not centroid, GP=max(16, triton.next_power_of_2(g)), num_warps=4)
     return out, mid
 
 

@@ -399,10 +399,15 @@ class RetrievalAttention:
         if self.config.selector in HYBRIDS:  # half the picks by the Quest bound, the rest by a centre's score
             k1 = sel.k // 2
             s1, s2 = self._hybrid_scores(qg, layer, sel)
-            top1 = best(s1, k1)
-            # a -1 in top1 means it took every candidate: clamped, it masks column 0 (never one)
-            s2 = s2.scatter(-1, top1.clamp_min(0), float("-inf"))
-            top = torch.cat([top1, best(s2, sel.k - k1)], dim=-1)  # [R, Hkv, K]
+            if sel.pad is None:  # both halves into one list; the first's merge strikes its picks from s2
+                top = torch.empty((r, hkv, sel.k), dtype=torch.int64, device=q.device)
+                topk_columns(s1, k1, sel.limit, out=top[..., :k1], exclude=s2)
+                topk_columns(s2, sel.k - k1, sel.limit, out=top[..., k1:])
+            else:
+                top1 = best(s1, k1)
+                # a -1 in top1 means it took every candidate: clamped, it masks column 0 (never one)
+                s2 = s2.scatter(-1, top1.clamp_min(0), float("-inf"))
+                top = torch.cat([top1, best(s2, sel.k - k1)], dim=-1)  # [R, Hkv, K]
         else:
             top = best(score(self.config.selector), sel.k)  # [R, Hkv, K]
         if sel.pad is None:

@@ -82,12 +82,14 @@ def test_store_kernels_compile(name: str, block: int) -> None:
 def test_selection_kernels_compile() -> None:
     pytest.importorskip("triton")
     import kvtier.kernels.retrieval_attention as ra
-    for mid in (False, True):  # hybrid-mid: the midrange scores from the bound's reads
+    # hybrid-mid: the midrange scores from the bound's reads; DOT: the bound by tensor-core products
+    for mid, dot, reduce_max in ((False, False, False), (True, False, False), (True, True, False),
+                                 (False, True, True)):
         _compile(ra._quest_kernel, {"q_ptr": "*bf16", "ids_ptr": "*i64", "kmin_ptr": "*bf16", "kmax_ptr": "*bf16",
                                     "cnt_ptr": "*i32", "hmin_ptr": "*bf16", "hmax_ptr": "*bf16", "hcnt_ptr": "*i32",
                                     "lim_ptr": "*i64", "cand_ptr": "*i64", "out_ptr": "*fp32", "mid_ptr": "*fp32"},
-                 dict(D=128, BLOCK_C=ra.SCORE_TILE // 128, REDUCE_MAX=False, HAS_HOST=True, HAS_LIMIT=True,
-                      CENTROID=False, FILL=True, MID=mid))
+                 dict(D=128, BLOCK_C=ra.SCORE_TILE // 128, REDUCE_MAX=reduce_max, HAS_HOST=True, HAS_LIMIT=True,
+                      CENTROID=False, FILL=True, MID=mid, DOT=dot, GP=16))
     _compile(ra._assemble_kernel, {n: "*i64" for n in ("top_ptr", "cidx_ptr", "cids_ptr", "fidx_ptr", "fids_ptr",
                                                        "topk_ptr", "idx_ptr", "ids_ptr")}, dict(BLOCK=128), warps=1)
     for has_sum in (True, False):
@@ -96,9 +98,12 @@ def test_selection_kernels_compile() -> None:
                  dict(D=128, HAS_SUM=has_sum), warps=1)
     _compile(ra._topk_chunk_kernel, {"s_ptr": "*fp32", "live_ptr": "*i64", "out_ptr": "*i64"},
              dict(CH=1024, KP=64, HAS_LIVE=True), warps=ra.TOPK_CHUNK_WARPS)
-    for group in (0, 4):  # one sort of every chunk's picks; with few live chunks, theirs only
-        _compile(ra._topk_merge_kernel, {"key_ptr": "*i64", "live_ptr": "*i64", "out_ptr": "*i64"},
-                 dict(KP=64, NP=32 * 64, GROUP=group), warps=16)
+    # one sort of every chunk's picks; with few live chunks, theirs only; striking the picks from
+    # a hybrid's second scores
+    for group, exclude in ((0, False), (4, False), (4, True)):
+        _compile(ra._topk_merge_kernel, {"key_ptr": "*i64", "live_ptr": "*i64", "out_ptr": "*i64",
+                                         "exc_ptr": "*fp32"},
+                 dict(KP=64, NP=32 * 64, GROUP=group, EXCLUDE=exclude), warps=16)
 
 
 @pytest.mark.parametrize("vector_x", [False, True])

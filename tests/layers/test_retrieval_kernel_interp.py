@@ -5,7 +5,8 @@
   partial last pages, a ctx-0 row, per-kv-head lists in shuffled order with invalid entries
   (marked by `valid`, or by page_idx -1 with valid None), page 0 with and without a sink row,
   1 and 3 splits; the folded native domain for the rotating formats; quest_scores (fused Quest
-  bounds, sum and max over the group, candidates in both tiers) vs its reference;
+  bounds, sum and max over the group, candidates in both tiers; shuffle and tensor-core sums) vs
+  its reference;
 - on CPU, no Triton: the reference == RetrievalAttention's output over a real pool and its own
   selection (so kernel == reference == the backend's PyTorch path); quest_scores_reference ==
   layers/retrieval.py page_scores.
@@ -75,11 +76,14 @@ def main() -> None:
                 except AssertionError as e:
                     failures.append(f"{name} folded (FOLD_MAX_SPLITS {pa.FOLD_MAX_SPLITS}): {e}")
     pa.FOLD_MAX_SPLITS = fold_max
-    for i, (hkv, g, d, with_host) in enumerate(SCORE_CASES):
-        try:
-            check_quest_scores(ra, hkv, g, d, with_host, seed=600 + i)
-        except AssertionError as e:
-            failures.append(f"quest_scores Hkv={hkv} G={g} D={d} host={with_host}: {e}")
+    score_dot = ra.SCORE_DOT
+    for ra.SCORE_DOT in (False, True):  # the bound by shuffle reductions, then by tensor-core products
+        for i, (hkv, g, d, with_host) in enumerate(SCORE_CASES):
+            try:
+                check_quest_scores(ra, hkv, g, d, with_host, seed=600 + i)
+            except AssertionError as e:
+                failures.append(f"quest_scores Hkv={hkv} G={g} D={d} host={with_host} dot={ra.SCORE_DOT}: {e}")
+    ra.SCORE_DOT = score_dot
     base = ra.TOPK_CHUNK, ra.TOPK_CHUNK_PICKS, ra.TOPK_MERGE_GROUP
     # the defaults, then chunks of 16 columns: many chunks, with few live ones sorted alone or not
     for setting in (base, (16, 1, 2), (16, 1, 0)):
@@ -231,6 +235,22 @@ def check_topk(ra, r: int, h: int, c: int, k: int, seed: int, device: str = "cpu
         assert torch.equal(got, want), f"live={lv is not None}: columns differ"
     assert bool((want >= 0).any()), "vacuous: no pick"
     assert bool((ra.topk_columns_reference(s, k, live) < 0).any()), "vacuous: no -inf pick"
+    # out: a slice of a wider list (a hybrid's first half); exclude: the picks struck from a
+    # second table in the same launch (-1 picks strike nothing)
+    wide = torch.full((r, h, k + 3), 7, dtype=torch.int64)
+    other = torch.randn(r, h, c, generator=gen)
+    want = ra.topk_columns_reference(s, k, live)
+    struck = other.clone()
+    for i, j, col in ((i, j, col) for i in range(r) for j in range(h) for col in want[i, j].tolist() if col >= 0):
+        struck[i, j, col] = float("-inf")
+    ref_wide, ref_other = wide.clone(), other.clone()
+    ra.topk_columns_reference(s, k, live, out=ref_wide[..., 2:2 + k], exclude=ref_other)
+    got_wide, got_other = wide.to(device), other.to(device)
+    ra.topk_columns(s.to(device), k, live.to(device), out=got_wide[..., 2:2 + k], exclude=got_other)
+    for name, w, o in (("reference", ref_wide, ref_other), ("kernel", got_wide.cpu(), got_other.cpu())):
+        assert torch.equal(w[..., 2:2 + k], want), f"{name}: out= picks differ"
+        assert bool((w[..., :2] == 7).all() and (w[..., 2 + k:] == 7).all()), f"{name}: wrote outside out="
+        assert torch.equal(o, struck), f"{name}: exclude= struck other columns than the picks"
 
 
 def check_assemble(ra, seed: int, device: str = "cpu") -> None:
