@@ -143,13 +143,15 @@ def paged_decode_selected_reference(q: torch.Tensor, st: dict[str, torch.Tensor]
 # BLOCK_C)): each program reads its kv head's [D] min / max rows of BLOCK_C candidates once.
 # ---------------------------------------------------------------------------------------------
 
-# Summary values per [BLOCK_C, D] tile (BLOCK_C = this // D candidates a program): compiled for
-# sm_90 offline, 4 warps: 123 registers (165 with a host tier) at D = 128, no spills; 8192 spilled
-# at D = 256 with a host tier.
-SCORE_TILE = 4096
-# The Quest bound (and midrange) of a tile as two tensor-core products over all the group's query
-# heads (_quest_kernel's DOT) instead of a shuffle reduction per head. Not yet timed on a GPU.
-SCORE_DOT = False
+# Summary values per [BLOCK_C, D] tile (BLOCK_C = this // D candidates a program). H100,
+# tools/sweep_quest.py, one layer of 8 kv heads x 4, bf16 min / max, us a launch at 128K / 256K
+# (16-token pages; % of the bandwidth for the bytes read): 2048 15.7 / 32.6 (74% / 71%), with the
+# midrange scores 18.1 / 36.7; 4096 16.4 / 35.9, midrange 19.4 / 41.6; 8192 20.3 / 43.6. The bound
+# as two tensor-core products over the group's heads (tf32x3) instead of a shuffle reduction per
+# head was 3-5x slower at every tile (80-170 us at 256K): the launch is bound by its loads.
+# Compiled for sm_90 offline, 4 warps, 4096: 123 registers (165 with a host tier) at D = 128, no
+# spills; 8192 spilled at D = 256 with a host tier.
+SCORE_TILE = 2048
 # topk_columns: columns a chunk program sorts (at least; long rows take longer chunks so that at
 # most TOPK_MAX_CHUNKS chunks' picks reach the merge program), the warps of a
 # chunk program, and a chunk holds at least TOPK_CHUNK_PICKS times the (power-of-two) picks. H100,
@@ -186,18 +188,14 @@ if HAVE_TRITON:
     def _quest_kernel(q_ptr, ids_ptr, kmin_ptr, kmax_ptr, cnt_ptr, hmin_ptr, hmax_ptr, hcnt_ptr, lim_ptr, cand_ptr,
                       out_ptr, mid_ptr, Hkv, G, C, D: tl.constexpr, BLOCK_C: tl.constexpr, REDUCE_MAX: tl.constexpr,
                       HAS_HOST: tl.constexpr, HAS_LIMIT: tl.constexpr, CENTROID: tl.constexpr,
-                      FILL: tl.constexpr, MID: tl.constexpr = False, DOT: tl.constexpr = False,
-                      GP: tl.constexpr = 16):
+                      FILL: tl.constexpr, MID: tl.constexpr = False):
         """One (row r, kv head h, BLOCK_C candidates): bound of each of the G query heads of h,
         summed (quest) or maxed (quest-max) over them; pages with no rows score +inf. HAS_LIMIT:
         columns at or past lim[r] are neither read nor written. CENTROID: kmin / hmin hold the
         pages' key sums instead, and the score is the group's summed q . the page's mean key
         (kmax / hmax are not read). FILL: every column is written, -inf where cand[r, c] < 0 or
         past the limit (the scores top-k reads as they are). MID (with the bound): also the
-        group's summed q . (kmin + kmax) / 2 into mid_ptr, from the same loads. DOT: the bound as
-        q . mid + |q| . half-range (the same sum: max(q m, q M) = q (m + M) / 2 + |q| (M - m) / 2),
-        all G heads in two [BLOCK_C, D] x [D, GP] tensor-core products (tf32x3, about fp32) instead
-        of G shuffle reductions a tile; GP >= 16 columns, those past G zero."""
+        group's summed q . (kmin + kmax) / 2 into mid_ptr, from the same loads."""
         r = tl.program_id(0)
         h = tl.program_id(1)
         c0 = tl.program_id(2) * BLOCK_C
@@ -238,18 +236,6 @@ if HAVE_TRITON:
             for g in range(0, G):
                 qs += tl.load(q_row + g * D + d).to(tl.float32)
             acc = tl.sum(kmin * qs[None, :], axis=1) / tl.maximum(cnt, 1).to(tl.float32)
-        elif DOT:
-            gi = tl.arange(0, GP)
-            qm = tl.load(q_row + gi[None, :] * D + d[:, None], mask=gi[None, :] < G, other=0.0).to(tl.float32)
-            mid_k = (kmin + kmax) * 0.5  # [BLOCK_C, D]; an empty page's inf - inf rows are masked below
-            dm = tl.dot(mid_k, qm, input_precision="tf32x3")  # [BLOCK_C, GP]: q_g . mid
-            bound = dm + tl.dot((kmax - kmin) * 0.5, tl.abs(qm), input_precision="tf32x3")
-            if REDUCE_MAX:
-                acc = tl.max(tl.where(gi[None, :] < G, bound, float("-inf")), axis=1)
-            else:
-                acc = tl.sum(bound, axis=1)  # columns past G are zero
-            if MID:
-                _store_scores(mdst, tl.sum(dm, axis=1), cnt, cand_ptr, r, c, cm, C, FILL)
         else:
             acc = tl.full([BLOCK_C], float("-inf") if REDUCE_MAX else 0.0, tl.float32)
             qs = tl.zeros([1, D], tl.float32)
@@ -568,7 +554,7 @@ def _launch_scores(qg: torch.Tensor, dev: tuple, cand_ids: torch.Tensor, host: t
         qg.contiguous(), cand_ids.contiguous(), dev[0], dev[1], dev[2], hmin, hmax, hcnt, lim, cand, out,
         mid if mid is not None else out, hkv, g, c, D=d, BLOCK_C=max(1, SCORE_TILE // d), REDUCE_MAX=reduce_max,
         HAS_HOST=host is not None, HAS_LIMIT=limit is not None, CENTROID=centroid, FILL=cand_idx is not None,
-        MID=midrange, DOT=SCORE_DOT and not centroid, GP=max(16, triton.next_power_of_2(g)), num_warps=4)
+        MID=midrange, num_warps=4)
     return out, mid
 
 

@@ -151,12 +151,9 @@ def test_topk_columns_matches_reference_cuda(r: int, h: int, c: int, k: int) -> 
     interp_cases.check_topk(ra, r, h, c, k, seed=r * 1000 + c, device="cuda")
 
 
-@pytest.mark.parametrize("dot", [False, True])
-def test_quest_scores_bf16_summaries_cuda(monkeypatch, dot: bool) -> None:
-    """quest_scores / centroid_scores over bf16 summaries (and fp32) == their references, on CUDA,
-    the bound by shuffle reductions and by tensor-core products (SCORE_DOT)."""
+def test_quest_scores_bf16_summaries_cuda() -> None:
+    """quest_scores / centroid_scores over bf16 summaries (and fp32) == their references, on CUDA."""
     from kvtier.kernels import retrieval_attention as ra
-    monkeypatch.setattr(ra, "SCORE_DOT", dot)
     for i, (hkv, g, d, with_host) in enumerate(interp_cases.SCORE_CASES):
         interp_cases.check_quest_scores(_CudaRA(ra), hkv, g, d, with_host, seed=600 + i)
 

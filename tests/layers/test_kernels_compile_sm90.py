@@ -82,14 +82,12 @@ def test_store_kernels_compile(name: str, block: int) -> None:
 def test_selection_kernels_compile() -> None:
     pytest.importorskip("triton")
     import kvtier.kernels.retrieval_attention as ra
-    # hybrid-mid: the midrange scores from the bound's reads; DOT: the bound by tensor-core products
-    for mid, dot, reduce_max in ((False, False, False), (True, False, False), (True, True, False),
-                                 (False, True, True)):
+    for mid, reduce_max in ((False, False), (True, False), (False, True)):  # hybrid-mid: midrange from the same reads
         _compile(ra._quest_kernel, {"q_ptr": "*bf16", "ids_ptr": "*i64", "kmin_ptr": "*bf16", "kmax_ptr": "*bf16",
                                     "cnt_ptr": "*i32", "hmin_ptr": "*bf16", "hmax_ptr": "*bf16", "hcnt_ptr": "*i32",
                                     "lim_ptr": "*i64", "cand_ptr": "*i64", "out_ptr": "*fp32", "mid_ptr": "*fp32"},
                  dict(D=128, BLOCK_C=ra.SCORE_TILE // 128, REDUCE_MAX=reduce_max, HAS_HOST=True, HAS_LIMIT=True,
-                      CENTROID=False, FILL=True, MID=mid, DOT=dot, GP=16))
+                      CENTROID=False, FILL=True, MID=mid))
     _compile(ra._assemble_kernel, {n: "*i64" for n in ("top_ptr", "cidx_ptr", "cids_ptr", "fidx_ptr", "fids_ptr",
                                                        "topk_ptr", "idx_ptr", "ids_ptr")}, dict(BLOCK=128), warps=1)
     for has_sum in (True, False):

@@ -5,8 +5,7 @@
   partial last pages, a ctx-0 row, per-kv-head lists in shuffled order with invalid entries
   (marked by `valid`, or by page_idx -1 with valid None), page 0 with and without a sink row,
   1 and 3 splits; the folded native domain for the rotating formats; quest_scores (fused Quest
-  bounds, sum and max over the group, candidates in both tiers; shuffle and tensor-core sums) vs
-  its reference;
+  bounds, sum and max over the group, candidates in both tiers) vs its reference;
 - on CPU, no Triton: the reference == RetrievalAttention's output over a real pool and its own
   selection (so kernel == reference == the backend's PyTorch path); quest_scores_reference ==
   layers/retrieval.py page_scores.
@@ -76,14 +75,11 @@ def main() -> None:
                 except AssertionError as e:
                     failures.append(f"{name} folded (FOLD_MAX_SPLITS {pa.FOLD_MAX_SPLITS}): {e}")
     pa.FOLD_MAX_SPLITS = fold_max
-    score_dot = ra.SCORE_DOT
-    for ra.SCORE_DOT in (False, True):  # the bound by shuffle reductions, then by tensor-core products
-        for i, (hkv, g, d, with_host) in enumerate(SCORE_CASES):
-            try:
-                check_quest_scores(ra, hkv, g, d, with_host, seed=600 + i)
-            except AssertionError as e:
-                failures.append(f"quest_scores Hkv={hkv} G={g} D={d} host={with_host} dot={ra.SCORE_DOT}: {e}")
-    ra.SCORE_DOT = score_dot
+    for i, (hkv, g, d, with_host) in enumerate(SCORE_CASES):
+        try:
+            check_quest_scores(ra, hkv, g, d, with_host, seed=600 + i)
+        except AssertionError as e:
+            failures.append(f"quest_scores Hkv={hkv} G={g} D={d} host={with_host}: {e}")
     base = ra.TOPK_CHUNK, ra.TOPK_CHUNK_PICKS, ra.TOPK_MERGE_GROUP
     # the defaults, then chunks of 16 columns: many chunks, with few live ones sorted alone or not
     for setting in (base, (16, 1, 2), (16, 1, 0)):
