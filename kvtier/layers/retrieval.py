@@ -318,7 +318,13 @@ class RetrievalAttention:
         width = max(-(-meta.seq_lens[b] // ps) for b in sel)
         if meta.block_table is not None and meta.seq_lens_t is not None:
             rows_t = torch.tensor(sel, dtype=torch.long).to(device, non_blocking=True)
-            bt = meta.block_table.index_select(0, rows_t)[:, :width].long()
+            bt = meta.block_table.index_select(0, rows_t).long()
+            if not self.fused_select:
+                bt = bt[:, :width]
+            # else the whole width, as a captured step: the kernels then run the variants the
+            # capture compiled (the top-k merge specialises on the chunk count), where a narrower
+            # table compiled new ones at the first step of each longer context (H100: one step of
+            # 359 ms at 128K); the columns past a row's context are skipped unread
             ctx = meta.seq_lens_t.index_select(0, rows_t).long()
         else:  # metadata built by hand (tests, evals): the same tables from the Python lists
             bt = torch.zeros(len(sel), width, dtype=torch.long)

@@ -253,6 +253,32 @@ def test_graph_tables_select_the_same_pages_as_the_step_tables():
     assert {3, 4, 9} <= set(chosen(graph, 0, 0))
 
 
+def test_fused_eager_tables_take_the_block_table_width():
+    """An eager step on the fused (kernel) path scores the block table's whole width, as a captured
+    step does, so its kernels are the variants the capture compiled (a narrower table compiled a
+    new top-k merge at the first step of each longer context); the PyTorch path keeps the longest
+    selecting row's width. The candidates are the same either way."""
+    hq, hkv = 4, 2
+    cfg = RetrievalConfig(budget=28, sink=1, window=1, selector="quest")
+    pool = PagePool(make_format("fp32"), 1, PAGES, hkv, PS, D, "cpu")
+    torch_path = RetrievalAttention(pool, D ** -0.5, cfg)
+    fused = RetrievalAttention(pool, D ** -0.5, cfg, summaries=torch_path.summaries, kernel=True)
+    assert fused.fused_select and not torch_path.fused_select
+    meta, _, _, _ = _fill(pool, [torch_path], [61, 45], [1, 1], hq, seed=11)
+    width = 24
+    meta.block_table = torch.zeros(2, width, dtype=torch.int32)
+    for b, pt in enumerate(meta.page_tables):
+        meta.block_table[b, :len(pt)] = torch.tensor(pt)
+    meta.seq_lens_t = torch.tensor(meta.seq_lens, dtype=torch.int32)
+    narrow = torch_path._selection_tables(meta, [0, 1], torch.device("cpu"))
+    wide = fused._selection_tables(meta, [0, 1], torch.device("cpu"))
+    assert narrow.cand_idx.shape[1] == -(-61 // PS) and wide.cand_idx.shape[1] == width
+    n = narrow.cand_idx.shape[1]
+    assert torch.equal(wide.cand_idx[:, :n], narrow.cand_idx) and bool((wide.cand_idx[:, n:] < 0).all())
+    assert torch.equal(wide.fixed_idx, narrow.fixed_idx) and torch.equal(wide.top_k, narrow.top_k)
+    assert wide.k == narrow.k
+
+
 def test_config_validation_and_registry():
     with pytest.raises(ValueError, match="selector"):
         RetrievalConfig(budget=64, selector="oracle")
