@@ -176,14 +176,14 @@ class Scheduler:
     def _slice(self, seq: Sequence, n: int) -> ScheduledSeq:
         start = seq.num_computed
         return ScheduledSeq(seq=seq, start=start, num_tokens=n,
-                            page_table=list(self.manager.page_table(seq.seq_id)),
+                            page_table=self.manager.page_table(seq.seq_id),  # a new list each call
                             sample=start + n == len(seq.tokens))
 
     def after_step(self, batch: Batch) -> None:
         """Advance computed counts and publish newly full pages to the prefix index."""
         for s in batch.seqs:
             s.seq.num_computed = s.start + s.num_tokens
-            self.manager.commit(s.seq.seq_id, s.seq.tokens[:s.seq.num_computed])
+            self.manager.commit(s.seq.seq_id, s.seq.tokens, s.seq.num_computed)
 
     def finish(self, seq: Sequence) -> None:
         if seq.status is SeqStatus.RUNNING:

@@ -84,6 +84,7 @@ class _Seq:
     namespace: str
     indexing: bool = True  # False once the chain broke (parent evicted): stop indexing
     host_pages: list[int] = field(default_factory=list)  # offloaded head, held host pages
+    host_refs: list[int] = field(default_factory=list)  # host_ref of each, kept beside (page_table's head)
     committed: int = 0  # tokens whose KV is computed (last commit)
 
     @property
@@ -147,7 +148,7 @@ class CacheManager:
     def page_table(self, seq_id: str) -> list[int]:
         """Page ids of the sequence in token order: host_ref(h) for offloaded pages, then GPU ids."""
         seq = self._seq(seq_id)
-        return [host_ref(h) for h in seq.host_pages] + seq.pages
+        return seq.host_refs + seq.pages  # a new list: two list copies, no per-page Python (256K: 16K pages)
 
     def num_pages_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.page_size)
@@ -227,19 +228,24 @@ class CacheManager:
             seq.pages.append(page)
         return True
 
-    def commit(self, seq_id: str, token_ids: list[int]) -> None:
-        """KV of `token_ids` (all tokens so far) is computed: index newly full pages."""
+    def commit(self, seq_id: str, token_ids: list[int], num_tokens: int | None = None) -> None:
+        """KV of the first `num_tokens` of `token_ids` (None: all of them; all tokens so far) is
+        computed: index newly full pages. (A count instead of a slice: a decode step of a 256K
+        sequence need not copy its token list.)"""
         seq = self._seq(seq_id)
         ps = self.page_size
-        if self.num_pages_for(len(token_ids)) > seq.num_pages:
-            raise ValueError(f"commit of {len(token_ids)} tokens but sequence {seq_id!r} "
+        n = len(token_ids) if num_tokens is None else num_tokens
+        if n > len(token_ids):
+            raise ValueError(f"commit of {n} tokens but only {len(token_ids)} given for {seq_id!r}")
+        if self.num_pages_for(n) > seq.num_pages:
+            raise ValueError(f"commit of {n} tokens but sequence {seq_id!r} "
                              f"has only {seq.num_pages} pages of {ps}")
-        if len(token_ids) < len(seq.chain) * ps:
-            raise ValueError(f"commit of {len(token_ids)} tokens is shorter than the "
+        if n < len(seq.chain) * ps:
+            raise ValueError(f"commit of {n} tokens is shorter than the "
                              f"{len(seq.chain) * ps} already indexed for {seq_id!r}")
-        self._stats["computed_tokens"] += max(0, len(token_ids) - seq.committed)
-        seq.committed = max(seq.committed, len(token_ids))
-        while seq.indexing and len(seq.chain) < len(token_ids) // ps:
+        self._stats["computed_tokens"] += max(0, n - seq.committed)
+        seq.committed = max(seq.committed, n)
+        while seq.indexing and len(seq.chain) < n // ps:
             i = len(seq.chain)
             parent = seq.chain[-1] if seq.chain else None
             if parent is not None and not parent.alive:
@@ -354,6 +360,8 @@ class CacheManager:
         seq_held = [h for seq in self._seqs.values() for h in seq.host_pages]
         if len(seq_held) != len(set(seq_held)) or set(seq_held) != held:
             err.append("held host pages disagree with the sequences' offloaded pages")
+        if any(seq.host_refs != [host_ref(h) for h in seq.host_pages] for seq in self._seqs.values()):
+            err.append("a sequence's host page refs disagree with its host pages")
         for h in held:
             if self._host_node[h] is not None:
                 err.append(f"held host page {h} is indexed")
@@ -494,6 +502,7 @@ class CacheManager:
             self._xfer.queue(True, page, host)
             self._host_held.add(host)
             seq.host_pages.append(host)
+            seq.host_refs.append(host_ref(host))
             self._decref(page)
             self._stats["offloads"] += 1
         return self.can_allocate(need)

@@ -95,6 +95,8 @@ def test_ensure_evicts_cached_then_fails_without_change() -> None:
     with pytest.raises(ValueError):
         m.commit("b", [7] * (4 * PS + 1))  # more tokens than pages
     with pytest.raises(ValueError):
+        m.commit("b", [7] * 8, 9)  # a count past the tokens given
+    with pytest.raises(ValueError):
         m.add_sequence("b", [1])
 
 
@@ -384,7 +386,7 @@ class ManagerMachine(RuleBasedStateMachine):
             assert self.m._gpu_node[table[i]] is None, "forward writes into an indexed page"
             self.gpu[table[i]] = (s["ns"], tuple(s["tokens"][:min((i + 1) * ps, hi)]))
         s["computed"] = hi
-        self.m.commit(sid, s["tokens"][:hi])
+        self.m.commit(sid, s["tokens"], hi)  # a count, as the scheduler commits (no token-list copy)
         return True
 
     @precondition(lambda self: self.live)
