@@ -135,7 +135,7 @@ if HAVE_TRITON:
 
     @triton.jit
     def _tile(data_ptr, scale_ptr, row, srow, valid, MODE: tl.constexpr, D: tl.constexpr, GROUP: tl.constexpr,
-              BLOCK_N: tl.constexpr, BIAS: tl.constexpr, HALF: tl.constexpr = False):
+              BLOCK_N: tl.constexpr, BIAS: tl.constexpr, HALF: tl.constexpr = False, SCALED: tl.constexpr = False):
         """Rows of one layer's K or V pages -> (tile [BLOCK_N, D], row scale [BLOCK_N] fp32).
 
         row / srow: [BLOCK_N] int64 row index (page * Hkv + head) * S + offset into the data /
@@ -143,7 +143,11 @@ if HAVE_TRITON:
         int8 / fp8 come back as codes (exact in fp32 and in bf16/fp16) with their per-row
         scale, which the caller applies to the [G, BLOCK_N] scores or probabilities instead
         of the [BLOCK_N, D] tile (D times fewer multiplies). Plain tiles come back as stored,
-        int4 tiles decoded in fp32 (their scales vary along D); both with scale 1.
+        int4 tiles decoded in fp32 (their scales vary along D); both with scale 1. SCALED (16-bit
+        int8 / fp8 tiles): the tile comes back times its row scales (fp16 products, one rounding,
+        as the int4 tiles' group scales) with scale 1, so the scales feed the dot operand and are
+        fetched with the codes (the prefill kernel: a separate scale load, used only after the
+        dot, was a synchronous global load in its key loop).
         """
         rs = tl.full([BLOCK_N], 1.0, tl.float32)
         if MODE == MODE_INT4 and HALF and GROUP >= 8:
@@ -185,6 +189,9 @@ if HAVE_TRITON:
         elif MODE == MODE_INT8 and HALF:
             b0, b1, b2, b3, rs = _int8_parts(data_ptr, scale_ptr, row, srow, valid, D)
             tile = _join4(b0, b1, b2, b3, BLOCK_N, D)
+            if SCALED:
+                tile = tile * rs.to(tl.float16)[:, None]
+                rs = tl.full([BLOCK_N], 1.0, tl.float32)
         else:
             x = tl.load(data_ptr + row[:, None] * D + tl.arange(0, D)[None, :], mask=valid[:, None], other=0)
             if MODE == MODE_PLAIN:
@@ -197,6 +204,9 @@ if HAVE_TRITON:
                 else:
                     tile = x.to(tl.float16)
                 rs = tl.load(scale_ptr + srow, mask=valid, other=0.0).to(tl.float32)
+                if SCALED and HALF:
+                    tile = tile * rs.to(tl.float16)[:, None]
+                    rs = tl.full([BLOCK_N], 1.0, tl.float32)
         return tile, rs
 
     @triton.jit
@@ -314,12 +324,13 @@ if HAVE_TRITON:
                   S: tl.constexpr, D: tl.constexpr, K_MODE: tl.constexpr, V_MODE: tl.constexpr,
                   K_GROUP: tl.constexpr, V_GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BIAS: tl.constexpr,
                   K_HALF: tl.constexpr, V_HALF: tl.constexpr, ALT: tl.constexpr):
-        """K and V tiles (with row scales) of the tokens at page ids `page` (int64 [BLOCK_N]),
-        offsets in_page, kv head h. ALT: a negative id is page -1 - id of the alternate source,
-        whose tensors sit ad_* rows from the pool's (AltPages)."""
+        """K and V tiles of the tokens at page ids `page` (int64 [BLOCK_N]), offsets in_page, kv
+        head h; 16-bit int8 / fp8 tiles come scaled (`_tile` SCALED), the others with their row
+        scales. ALT: a negative id is page -1 - id of the alternate source, whose tensors sit
+        ad_* rows from the pool's (AltPages)."""
         k_row, ks_row, v_row, vs_row = _kv_rows(page, h, in_page, ad_k, ad_ks, ad_v, ad_vs, Hkv, S, ALT)
-        k, ks = _tile(k_ptr, ks_ptr, k_row, ks_row, valid, K_MODE, D, K_GROUP, BLOCK_N, BIAS, K_HALF)
-        v, vs = _tile(v_ptr, vs_ptr, v_row, vs_row, valid, V_MODE, D, V_GROUP, BLOCK_N, BIAS, V_HALF)
+        k, ks = _tile(k_ptr, ks_ptr, k_row, ks_row, valid, K_MODE, D, K_GROUP, BLOCK_N, BIAS, K_HALF, K_HALF)
+        v, vs = _tile(v_ptr, vs_ptr, v_row, vs_row, valid, V_MODE, D, V_GROUP, BLOCK_N, BIAS, V_HALF, V_HALF)
         return k, ks, v, vs
 
     # Runtime ints that may be 1 or multiples of 16: not specialised on value (one compile serves all).
@@ -879,7 +890,7 @@ if HAVE_TRITON:
             s = tl.dot(q.to(tl.float16), tl.trans(k), input_precision=DOT_PREC)  # [M, BLOCK_N]
         else:
             s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PREC)  # [M, BLOCK_N]
-        if K_MODE == MODE_INT8 or K_MODE == MODE_FP8:
+        if (K_MODE == MODE_INT8 or K_MODE == MODE_FP8) and not k_half:
             s = s * (ks * qk_scale)[None, :]  # the row scales times the softmax scale: one multiply
             sc = 1.0
         else:
@@ -896,7 +907,7 @@ if HAVE_TRITON:
         alpha = tl.exp2(m_i - m_use)
         p = tl.exp2(s * sc - m_use[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        if V_MODE == MODE_INT8 or V_MODE == MODE_FP8:
+        if (V_MODE == MODE_INT8 or V_MODE == MODE_FP8) and not v_half:
             p = p * vs[None, :]
         if v_half:
             acc = tl.dot(p.to(tl.float16), v, acc * alpha[:, None], input_precision=DOT_PREC)
