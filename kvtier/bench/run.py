@@ -36,6 +36,7 @@ class Result:
     decode_tok_s: float
     weight_bytes: int
     bandwidth: float  # bytes/s measured on the same device
+    gaps_ms: tuple[float, float, float] | None = None  # streamed rows: chunk gaps, median / p99 / longest
 
     @property
     def bw_pct(self) -> float:
@@ -254,16 +255,17 @@ def run_bench(a: argparse.Namespace, config: EngineConfig) -> int:
         wbytes = results[0].weight_bytes
         del engine  # the server child loads its own copy (GPU memory)
         _free_device_memory()
-        ttft, tok_s, n = bench_serve(a, ids, a.gen_tokens)
-        results.insert(1, Result("kvtier serve, streamed", len(ids), n, ttft, len(ids) / ttft, tok_s, wbytes, bw))
+        ttft, tok_s, n, gaps = bench_serve(a, ids, a.gen_tokens)
+        results.insert(1, Result("kvtier serve, streamed", len(ids), n, ttft, len(ids) / ttft, tok_s, wbytes, bw,
+                                 gaps))
     if a.llama_server and isinstance(ref, Path) and ref.suffix == ".gguf":
         from kvtier.bench.serve import bench_llama_server
 
         try:
-            ttft, tok_s, n = bench_llama_server(a.llama_server, str(ref), ids, a.gen_tokens,
-                                                a.threads or torch.get_num_threads())
+            ttft, tok_s, n, gaps = bench_llama_server(a.llama_server, str(ref), ids, a.gen_tokens,
+                                                      a.threads or torch.get_num_threads())
             results.append(Result("llama-server, streamed", len(ids), n, ttft, len(ids) / ttft, tok_s,
-                                  ref.stat().st_size, bw))
+                                  ref.stat().st_size, bw, gaps))
         except (RuntimeError, OSError, httpx.HTTPError) as e:
             console.print(f"[yellow]llama-server run failed ({e}); skipped[/]")
     _report(console, title, results, a.out)
@@ -288,12 +290,18 @@ def _title(engine, bw: float) -> str:
 def _report(console: Console, title: str, results: list[Result], out: str | None) -> None:
     table = Table(title=title)
     table.add_column("engine", no_wrap=True, min_width=max(len(r.engine) for r in results))
-    for col in ("prompt", "gen", "TTFT ms", "prefill tok/s", "decode tok/s", "% BW bound"):
+    cols = ("prompt", "gen", "TTFT ms", "prefill tok/s", "decode tok/s", "% BW bound")
+    streamed = any(r.gaps_ms for r in results)
+    if streamed:
+        cols += ("token gap ms (median / p99 / max)",)
+    for col in cols:
         table.add_column(col, justify="right")
     rows = []
     for r in results:
         row = (r.engine, str(r.prompt_tokens), str(r.gen_tokens), f"{r.ttft_s * 1000:.0f}",
                f"{r.prefill_tok_s:.0f}", f"{r.decode_tok_s:.1f}", f"{r.bw_pct:.0f}%")
+        if streamed:
+            row += ("{:.1f} / {:.1f} / {:.1f}".format(*r.gaps_ms) if r.gaps_ms else "",)
         table.add_row(*row)
         rows.append(row)
     console.print(table)

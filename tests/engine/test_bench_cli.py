@@ -38,6 +38,16 @@ def test_bench_serve_streams_through_a_real_server(tmp_path):
     assert set(rows) == {"kvtier", "kvtier serve, streamed"}
     prompt, gen, ttft, _, decode = rows["kvtier serve, streamed"][:5]
     assert (prompt, gen) == ("32", "8") and float(ttft) > 0 and float(decode) > 0
+    med, p99, longest = (float(x) for x in rows["kvtier serve, streamed"][6].split("/"))  # token gaps, ms
+    assert 0 < med <= p99 <= longest
+    assert rows["kvtier"][6] == ""  # the in-process row streams nothing
+
+
+def test_gap_percentiles():
+    from kvtier.bench.serve import gap_percentiles
+    assert gap_percentiles([]) == (0.0, 0.0, 0.0)
+    gaps = sorted([0.01] * 98 + [0.05, 0.4])  # seconds
+    assert gap_percentiles(gaps) == (10.0, 50.0, 400.0)
 
 
 def test_grid_bench_rows(tmp_path):
