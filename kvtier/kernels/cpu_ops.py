@@ -79,13 +79,45 @@ def _build() -> ModuleType | None:
     try:
         from torch.utils import cpp_extension
 
-        return cpp_extension.load(_name(), [str(SOURCE)], extra_cflags=FLAGS, extra_ldflags=["-fopenmp"],
-                                  verbose=False)
+        name = _name()
+        build_dir = cpp_extension._get_build_directory(name, verbose=False)  # torch's own cache directory
+        with _build_lock(build_dir):
+            return cpp_extension.load(name, [str(SOURCE)], extra_cflags=FLAGS, extra_ldflags=["-fopenmp"],
+                                      build_directory=build_dir, verbose=False)
     except Exception as e:  # no compiler, no ninja, a failed build: the references run instead
         lines = str(e).strip().splitlines() or [""]
         why = next((ln for ln in lines if "error:" in ln), lines[-1])  # the compiler's first error
         log.warning("CPU kernels unavailable (%s: %s); using the PyTorch paths", type(e).__name__, why.strip())
         return None
+
+
+class _build_lock:
+    """One process at a time in `cpp_extension.load` for this build directory, by an advisory lock
+    the OS drops when its holder dies. torch's own lock is a plain file (`lock`) that every load
+    creates, even of a built extension, and removes when done: a process killed in between (a
+    Ctrl-C during the first start) left it behind, and every later start waited on it forever.
+    Holding this lock, a `lock` file can only be such a leftover, so it is removed."""
+
+    def __init__(self, build_dir: str) -> None:
+        self.dir = build_dir
+        self.f = None
+
+    def __enter__(self) -> None:
+        try:
+            import fcntl
+        except ImportError:  # not POSIX: torch's lock alone
+            return
+        os.makedirs(self.dir, exist_ok=True)
+        self.f = open(os.path.join(self.dir, "kvtier.flock"), "w")
+        fcntl.flock(self.f, fcntl.LOCK_EX)
+        stale = os.path.join(self.dir, "lock")
+        if os.path.exists(stale):
+            log.warning("removing %s, left by a build that was killed part way", stale)
+            os.remove(stale)
+
+    def __exit__(self, *exc) -> None:
+        if self.f is not None:
+            self.f.close()  # closing drops the lock
 
 
 # Floating dtypes the kernels read and write.

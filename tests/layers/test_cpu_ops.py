@@ -296,3 +296,28 @@ def test_quest_scores_match_page_scores(ops, selector, g_heads, d):
     assert torch.equal(torch.isinf(got), torch.isinf(ref)) and bool(torch.isinf(ref).any())
     fin = ~torch.isinf(ref)
     torch.testing.assert_close(got[fin], ref[fin], rtol=1e-5, atol=1e-4)
+
+
+def test_a_killed_build_does_not_wedge_later_loads(tmp_path):
+    """torch's extension lock is a plain file every load creates and removes; a process killed in
+    between left it behind, and every later start waited on it forever. A fresh process loads
+    past such a leftover (it holds kvtier's own OS lock, so the file can only be stale)."""
+    import os
+    import subprocess
+    import sys
+
+    from torch.utils import cpp_extension
+
+    if cpu_ops.ops() is None:
+        pytest.skip("no CPU kernels on this machine")
+    lock = os.path.join(cpp_extension._get_build_directory(cpu_ops._name(), verbose=False), "lock")
+    with open(lock, "w"):
+        pass  # as a killed load leaves it
+    code = "from kvtier.kernels import cpu_ops; import sys; sys.exit(0 if cpu_ops.ops() is not None else 3)"
+    try:
+        done = subprocess.run([sys.executable, "-c", code], timeout=600, capture_output=True, text=True)
+    finally:
+        if os.path.exists(lock):
+            os.remove(lock)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "left by a build that was killed" in done.stderr
