@@ -144,12 +144,18 @@ def _phase(ev: object, names: dict[int, str]) -> str | None:
 
 class _WhitespaceHold:
     """Holds whitespace-only text until real text follows, so the newlines a model writes
-    between or after tool calls never become an empty message / text block."""
+    between or after tool calls never become an empty message / text block. Only where the
+    request offers tools (`active`): elsewhere each newline streams as it comes (held, a model's
+    "\n\n" before a paragraph reached the client with the paragraph's first word, one gap of
+    three tokens)."""
 
-    def __init__(self):
+    def __init__(self, active: bool = True):
         self.pending = ""
+        self.active = active
 
     def filter(self, events: list, final: bool, drop: bool) -> list:
+        if not self.active:
+            return events
         out = []
         for ev in events:
             if isinstance(ev, TextDelta):
@@ -174,7 +180,7 @@ async def run_events(engine, prep: Prepared) -> AsyncIterator[object]:
     parser = OutputParser(tools=prep.tools, reasoning=prep.reasoning, starts_in_reasoning=prep.starts_in_reasoning)
     plog = ProgressLog(req, prep.progress_log_s)
     names: dict[int, str] = {}
-    ws = _WhitespaceHold()
+    ws = _WhitespaceHold(active=bool(prep.tools))
     bare = BareCallHold(prep.tool_names if prep.tools else ())
     done = False
     text, ids = [], []

@@ -298,7 +298,9 @@ class OutputParser:
 
     def _emit(self, text: str) -> None:
         if self._mode == "text":
-            self._emit_text(text, hold_ws=True)
+            # trailing whitespace waits where a call could follow, or a <think> block could still
+            # open the reply; past the reply's first text (no tools) newlines stream as they come
+            self._emit_text(text, hold_ws=self._tools or (self._reasoning and not self.text))
         else:
             self._emit_reasoning(text, hold_ws=True)
 

@@ -30,6 +30,7 @@ SCRIPTS = {
     "LONG": "lorem ipsum dolor sit amet " * 150,
     "PREFILL": "Done reading.",
     "UNICODE": "Caf\u00e9 \u2603 \U0001F600 \u65e5\u672c\u8a9e.",
+    "PARAGRAPHS": "First paragraph.\n\nSecond paragraph.",
 }
 DEFAULT_TEXT = "Hello! I am a scripted test model. How can I help?"
 

@@ -71,6 +71,19 @@ def test_stream_without_include_usage_has_no_usage_chunk(client):
     assert all("usage" not in c for c in chunks)
 
 
+def test_newlines_stream_as_they_come_unless_tools_are_offered(client):
+    """Without tools a paragraph break streams when the model writes it; with tools offered,
+    whitespace is held until text follows (never an empty message beside a call), same text."""
+    def contents(**kw):
+        chunks = stream_chunks(client, "PARAGRAPHS", **kw)
+        return [c["choices"][0]["delta"].get("content") for c in chunks if c["choices"]]
+    plain, with_tools = contents(), contents(tools=[WEATHER_TOOL])
+    assert "".join(x or "" for x in plain) == "".join(x or "" for x in with_tools) == \
+        "First paragraph.\n\nSecond paragraph."
+    assert any(x and not x.strip() for x in plain), f"no whitespace-only delta: the break was held: {plain}"
+    assert not any(x and not x.strip() for x in with_tools)
+
+
 def test_unicode_deltas_are_whole_characters(client):
     chunks = stream_chunks(client, "UNICODE")
     text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks)
