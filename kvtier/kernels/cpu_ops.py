@@ -80,7 +80,10 @@ def _build() -> ModuleType | None:
         from torch.utils import cpp_extension
 
         name = _name()
-        build_dir = cpp_extension._get_build_directory(name, verbose=False)  # torch's own cache directory
+        try:  # torch's own cache directory (a private helper: without it, torch's lock alone)
+            build_dir = cpp_extension._get_build_directory(name, verbose=False)
+        except (AttributeError, TypeError, OSError):
+            build_dir = None
         with _build_lock(build_dir):
             return cpp_extension.load(name, [str(SOURCE)], extra_cflags=FLAGS, extra_ldflags=["-fopenmp"],
                                       build_directory=build_dir, verbose=False)
@@ -98,7 +101,7 @@ class _build_lock:
     Ctrl-C during the first start) left it behind, and every later start waited on it forever.
     Holding this lock, a `lock` file can only be such a leftover, so it is removed."""
 
-    def __init__(self, build_dir: str) -> None:
+    def __init__(self, build_dir: str | None) -> None:
         self.dir = build_dir
         self.f = None
 
@@ -106,6 +109,8 @@ class _build_lock:
         try:
             import fcntl
         except ImportError:  # not POSIX: torch's lock alone
+            return
+        if self.dir is None:
             return
         os.makedirs(self.dir, exist_ok=True)
         self.f = open(os.path.join(self.dir, "kvtier.flock"), "w")
