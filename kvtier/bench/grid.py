@@ -8,7 +8,10 @@ and batch size B, B greedy requests of that prompt length run together:
     decode      B * (gen - 1) tokens / time from then to the end
     % of bound  step rate * bytes a step reads / measured bandwidth, where a step
                 reads every weight once plus each sequence's whole KV context
-                (codes, scales and sink share: pool.kv_bytes_per_token x layers)
+                (codes, scales and sink share: pool.kv_bytes_per_token x layers);
+                with retrieval past its budget, the budget's KV instead, plus the
+                page summaries of the whole context the selection scores (host-tier
+                pages among the chosen ones cross the bus, not counted apart)
 
 HF transformers runs the batch-1 rows of the first format in the same process
 on the same weights (same token ids), for reference.
@@ -115,6 +118,7 @@ def run_grid(a: argparse.Namespace, config: EngineConfig) -> int:
     from kvtier.engine.engine import Engine
     from kvtier.kv.formats import make_format
     from kvtier.kv.pool import kv_bytes_per_token
+    from kvtier.kv.summaries import summary_bytes_per_token, summary_dtype
 
     console = Console()
     if not a.shape:
@@ -145,6 +149,9 @@ def run_grid(a: argparse.Namespace, config: EngineConfig) -> int:
                       f"{engine.graph_capture_seconds:.1f} s, {engine.manager.num_gpu_pages} pages[/]")
         kvpt = kv_bytes_per_token(make_format(kv), spec.num_kv_heads, spec.head_dim, cfg.cache.page_size,
                                   dt) * spec.num_layers
+        ret = cfg.retrieval
+        summ_pt = summary_bytes_per_token(spec.num_kv_heads, spec.head_dim, cfg.cache.page_size, spec.num_layers,
+                                          summary_dtype(dev, dt), ret.key_sums) if ret.enabled else 0.0
         run_batch(engine, [synthetic_ids(WARMUP_PROMPT, spec.vocab_size, 3)], WARMUP_GEN)  # warm-up
         gc.collect()
         gc.freeze()  # as `kvtier serve` does: no collection walks the startup objects mid-row
@@ -160,8 +167,9 @@ def run_grid(a: argparse.Namespace, config: EngineConfig) -> int:
                 prompts = [synthetic_ids(ctx, spec.vocab_size, 31 + 2 * j) for j in range(b)]
                 ttft, dec_s, n, step_ms = run_batch(engine, prompts, a.gen_tokens)
                 mean_ctx = ctx + a.gen_tokens / 2
+                kv_read = step_kv_bytes(mean_ctx, b, kvpt, ret.budget if ret.enabled else 0, summ_pt)
                 rows.append(GridRow("kvtier", kv, ctx, b, ttft, b * ctx / ttft, (n - b) / dec_s,
-                                    wbytes - streamed + b * mean_ctx * kvpt, bw, bus_s, step_ms))
+                                    wbytes - streamed + kv_read, bw, bus_s, step_ms))
                 console.print(_fmt(rows[-1]))
                 if i == 0 and b == 1 and not a.no_hf and hf is not None:
                     r = bench_hf_model(hf, prompts[0], a.gen_tokens, dev, bw)
@@ -179,6 +187,16 @@ def run_grid(a: argparse.Namespace, config: EngineConfig) -> int:
         torch.cuda.empty_cache() if dev.type == "cuda" else None
     _report(console, a, rows, bw, wbytes, peak, streamed, len(net.offload.layers) if streamed else 0)
     return 0
+
+
+def step_kv_bytes(context: float, batch: int, kv_per_token: float, budget: int = 0,
+                  summary_per_token: float = 0.0) -> float:
+    """KV bytes a decode step reads for `batch` sequences at `context` tokens: the whole context,
+    or with retrieval past its `budget` (tokens) the budget's KV plus the summaries of the whole
+    context (summary_per_token: kv/summaries.py summary_bytes_per_token)."""
+    if budget and context > budget:
+        return batch * (budget * kv_per_token + context * summary_per_token)
+    return batch * context * kv_per_token
 
 
 def _fmt(r: GridRow) -> str:

@@ -88,3 +88,12 @@ def test_grid_bench_past_the_pool_with_a_host_tier(tmp_path):
     assert main(args) == 0
     rows = [ln.split("|")[1:-1] for ln in out.read_text().splitlines() if ln.startswith("| kvtier")]
     assert {r[2].strip() for r in rows} == {"64"}
+
+
+def test_step_kv_bytes_counts_what_a_step_reads():
+    """Dense: the whole context's KV; retrieval past its budget: the budget's KV plus the whole
+    context's summaries; at or under the budget it is dense attention, read as such."""
+    from kvtier.bench.grid import step_kv_bytes
+    assert step_kv_bytes(1000, 2, 10.0) == 2 * 1000 * 10.0
+    assert step_kv_bytes(1000, 1, 10.0, budget=2048, summary_per_token=1.5) == 1000 * 10.0
+    assert step_kv_bytes(262144, 1, 10.0, budget=2048, summary_per_token=1.5) == 2048 * 10.0 + 262144 * 1.5
