@@ -319,7 +319,7 @@ def cmd_bench(a: argparse.Namespace) -> int:
 
 
 def cmd_plan(a: argparse.Namespace) -> int:
-    from kvtier.engine.plan import plan_for_args, render
+    from kvtier.engine.plan import GIB, plan_for_args, render
 
     plan = plan_for_args(a.model, a.kv_dtype, a.context, a.gpu_memory_limit, a.host_kv_mib,
                          offload_layers=a.offload_layers, retrieval=a.kvmem_budget > 0,
@@ -327,6 +327,13 @@ def cmd_plan(a: argparse.Namespace) -> int:
     print_tables(render(plan))
     for n in plan.notes:
         console.print(f"[yellow]note:[/] {n}")
+    if plan.summary_bytes and a.kvmem_selector in SUM_SELECTORS and plan.host_kv_bytes:
+        lean = plan_for_args(a.model, a.kv_dtype, a.context, a.gpu_memory_limit, a.host_kv_mib,
+                             offload_layers=a.offload_layers, retrieval=True, key_sums=False)
+        if lean.gpu_kv_tokens > plan.gpu_kv_tokens:
+            console.print(f"[yellow]note:[/] --kvmem-selector hybrid-mid keeps no key sums: summaries "
+                          f"{lean.summary_bytes / GIB:.2f} GiB instead of {plan.summary_bytes / GIB:.2f} GiB, "
+                          f"{lean.gpu_kv_tokens:,} context tokens on the GPU instead of {plan.gpu_kv_tokens:,}")
     if plan.fits:
         print("fits")  # the verdict is the command's result: stdout, beside the table
         return 0

@@ -63,6 +63,23 @@ def test_plan_cli_prints_every_tier(capsys: pytest.CaptureFixture[str]) -> None:
     assert "weights streamed from host RAM" in capsys.readouterr().out
 
 
+def test_plan_cli_points_to_the_lean_summaries(capsys: pytest.CaptureFixture[str]) -> None:
+    """With retrieval past the GPU pool and a selector that keeps key sums, `kvtier plan` says how
+    much more of the context hybrid-mid's summaries leave on the GPU; not where nothing changes."""
+    base = ["plan", "--model", "qwen3-8b-int4", "--gpu-memory-limit", "12GiB", "--kv-dtype", "k8v4",
+            "--kvmem-budget", "2048"]
+    assert main(base + ["--context", "262144"]) == 0
+    got = capsys.readouterr()
+    out = " ".join((got.out + got.err).split())  # notes go to the console (stderr); rich wraps them
+    assert "--kvmem-selector hybrid-mid keeps no key sums" in out
+    lean = plan_mod.plan_for_args("qwen3-8b-int4", "k8v4", 262144, "12GiB", 0, retrieval=True, key_sums=False)
+    assert f"{lean.gpu_kv_tokens:,} context tokens on the GPU" in out
+    for extra in (["--context", "262144", "--kvmem-selector", "hybrid-mid"], ["--context", "16384"]):
+        assert main(base + extra) == 0
+        got = capsys.readouterr()
+        assert "keeps no key sums" not in got.out + got.err
+
+
 def test_serve_refuses_before_loading(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     import kvtier.engine.build as build
 
