@@ -321,13 +321,13 @@ def cmd_bench(a: argparse.Namespace) -> int:
 def cmd_plan(a: argparse.Namespace) -> int:
     from kvtier.engine.plan import GIB, plan_for_args, render
 
+    sums = a.kvmem_selector in SUM_SELECTORS
     plan = plan_for_args(a.model, a.kv_dtype, a.context, a.gpu_memory_limit, a.host_kv_mib,
-                         offload_layers=a.offload_layers, retrieval=a.kvmem_budget > 0,
-                         key_sums=a.kvmem_selector in SUM_SELECTORS)
+                         offload_layers=a.offload_layers, retrieval=a.kvmem_budget > 0, key_sums=sums)
     print_tables(render(plan))
     for n in plan.notes:
         console.print(f"[yellow]note:[/] {n}")
-    if plan.summary_bytes and a.kvmem_selector in SUM_SELECTORS and plan.host_kv_bytes:
+    if plan.summary_bytes and sums and plan.host_kv_bytes:
         lean = plan_for_args(a.model, a.kv_dtype, a.context, a.gpu_memory_limit, a.host_kv_mib,
                              offload_layers=a.offload_layers, retrieval=True, key_sums=False)
         if lean.gpu_kv_tokens > plan.gpu_kv_tokens:

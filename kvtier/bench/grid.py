@@ -167,7 +167,7 @@ def run_grid(a: argparse.Namespace, config: EngineConfig) -> int:
                 prompts = [synthetic_ids(ctx, spec.vocab_size, 31 + 2 * j) for j in range(b)]
                 ttft, dec_s, n, step_ms = run_batch(engine, prompts, a.gen_tokens)
                 mean_ctx = ctx + a.gen_tokens / 2
-                kv_read = step_kv_bytes(mean_ctx, b, kvpt, ret.budget if ret.enabled else 0, summ_pt)
+                kv_read = step_kv_bytes(mean_ctx, b, kvpt, ret.budget, summ_pt)  # budget 0: retrieval off
                 rows.append(GridRow("kvtier", kv, ctx, b, ttft, b * ctx / ttft, (n - b) / dec_s,
                                     wbytes - streamed + kv_read, bw, bus_s, step_ms))
                 console.print(_fmt(rows[-1]))

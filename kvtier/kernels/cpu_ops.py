@@ -13,6 +13,7 @@ takes its PyTorch reference path, which stays the tested reference of each kerne
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
@@ -94,35 +95,29 @@ def _build() -> ModuleType | None:
         return None
 
 
-class _build_lock:
+@contextlib.contextmanager
+def _build_lock(build_dir: str | None):
     """One process at a time in `cpp_extension.load` for this build directory, by an advisory lock
     the OS drops when its holder dies. torch's own lock is a plain file (`lock`) that every load
     creates, even of a built extension, and removes when done: a process killed in between (a
     Ctrl-C during the first start) left it behind, and every later start waited on it forever.
-    Holding this lock, a `lock` file can only be such a leftover, so it is removed."""
-
-    def __init__(self, build_dir: str | None) -> None:
-        self.dir = build_dir
-        self.f = None
-
-    def __enter__(self) -> None:
-        try:
-            import fcntl
-        except ImportError:  # not POSIX: torch's lock alone
-            return
-        if self.dir is None:
-            return
-        os.makedirs(self.dir, exist_ok=True)
-        self.f = open(os.path.join(self.dir, "kvtier.flock"), "w")
-        fcntl.flock(self.f, fcntl.LOCK_EX)
-        stale = os.path.join(self.dir, "lock")
+    Holding this lock, a `lock` file can only be such a leftover, so it is removed. Without POSIX
+    locks or a known directory: torch's lock alone."""
+    try:
+        import fcntl
+    except ImportError:
+        fcntl = None
+    if fcntl is None or build_dir is None:
+        yield
+        return
+    os.makedirs(build_dir, exist_ok=True)
+    with open(os.path.join(build_dir, "kvtier.flock"), "w") as f:  # closing drops the lock
+        fcntl.flock(f, fcntl.LOCK_EX)
+        stale = os.path.join(build_dir, "lock")
         if os.path.exists(stale):
             log.warning("removing %s, left by a build that was killed part way", stale)
             os.remove(stale)
-
-    def __exit__(self, *exc) -> None:
-        if self.f is not None:
-            self.f.close()  # closing drops the lock
+        yield
 
 
 # Floating dtypes the kernels read and write.

@@ -189,9 +189,6 @@ if HAVE_TRITON:
         elif MODE == MODE_INT8 and HALF:
             b0, b1, b2, b3, rs = _int8_parts(data_ptr, scale_ptr, row, srow, valid, D)
             tile = _join4(b0, b1, b2, b3, BLOCK_N, D)
-            if SCALED:
-                tile = tile * rs.to(tl.float16)[:, None]
-                rs = tl.full([BLOCK_N], 1.0, tl.float32)
         else:
             x = tl.load(data_ptr + row[:, None] * D + tl.arange(0, D)[None, :], mask=valid[:, None], other=0)
             if MODE == MODE_PLAIN:
@@ -204,9 +201,9 @@ if HAVE_TRITON:
                 else:
                     tile = x.to(tl.float16)
                 rs = tl.load(scale_ptr + srow, mask=valid, other=0.0).to(tl.float32)
-                if SCALED and HALF:
-                    tile = tile * rs.to(tl.float16)[:, None]
-                    rs = tl.full([BLOCK_N], 1.0, tl.float32)
+        if SCALED and HALF and (MODE == MODE_INT8 or MODE == MODE_FP8):
+            tile = tile * rs.to(tl.float16)[:, None]
+            rs = tl.full([BLOCK_N], 1.0, tl.float32)
         return tile, rs
 
     @triton.jit

@@ -25,7 +25,7 @@ sequence's own oldest computed full pages are offloaded to held host pages
 starts with host references, which attention streams through the GPU:
 
     | host_ref(h0) host_ref(h1) ... | gpu pages ...              | partial |
-    0      offloaded (held)         len(host_pages)              num_tokens
+    0      offloaded (held)         len(host_refs)               num_tokens
 
 `host_ref(h) = -1 - h`: negative entries name host pages, so one list of
 ints keeps naming every page of the sequence in token order.
@@ -83,13 +83,14 @@ class _Seq:
     chain: list[PrefixNode]  # prefix nodes of this seq's first full pages, in order
     namespace: str
     indexing: bool = True  # False once the chain broke (parent evicted): stop indexing
-    host_pages: list[int] = field(default_factory=list)  # offloaded head, held host pages
-    host_refs: list[int] = field(default_factory=list)  # host_ref of each, kept beside (page_table's head)
+    # offloaded head: its held host pages, as page-table entries (host_ref), so that `page_table`
+    # copies them without per-page Python (a 256K sequence: 16K pages)
+    host_refs: list[int] = field(default_factory=list)
     committed: int = 0  # tokens whose KV is computed (last commit)
 
     @property
     def num_pages(self) -> int:
-        return len(self.host_pages) + len(self.pages)
+        return len(self.host_refs) + len(self.pages)
 
 
 class CacheManager:
@@ -148,7 +149,7 @@ class CacheManager:
     def page_table(self, seq_id: str) -> list[int]:
         """Page ids of the sequence in token order: host_ref(h) for offloaded pages, then GPU ids."""
         seq = self._seq(seq_id)
-        return seq.host_refs + seq.pages  # a new list: two list copies, no per-page Python (256K: 16K pages)
+        return seq.host_refs + seq.pages  # a new list
 
     def num_pages_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.page_size)
@@ -252,9 +253,9 @@ class CacheManager:
                 seq.indexing = False  # a shared ancestor was dropped: the chain is gone
                 break
             tokens = token_ids[i * ps:(i + 1) * ps]
-            if i < len(seq.host_pages):  # offloaded before it was indexed: cannot happen, stay loud
+            if i < len(seq.host_refs):  # offloaded before it was indexed: cannot happen, stay loud
                 raise RuntimeError(f"page {i} of {seq_id!r} was offloaded before it was indexed")
-            page = seq.pages[i - len(seq.host_pages)]
+            page = seq.pages[i - len(seq.host_refs)]
             node = self.index.find(parent, tokens, seq.namespace)
             if node is None:
                 node = self.index.insert(parent, tokens, seq.namespace)
@@ -271,7 +272,7 @@ class CacheManager:
             raise ValueError(f"unknown sequence {seq_id!r}")
         for page in reversed(seq.pages):  # leaves enter the LRU first (evicted first)
             self._decref(page)
-        for host in seq.host_pages:
+        for host in map(host_page_of, seq.host_refs):
             self._host_held.discard(host)
             self._host_free.append(host)
 
@@ -357,11 +358,9 @@ class CacheManager:
         if len(free) + len(cached) + len(pinned) + len(held) != self.num_host_pages:
             err.append(f"host free {len(free)} + cached {len(cached)} + pinned {len(pinned)} + held "
                        f"{len(held)} != total {self.num_host_pages}")
-        seq_held = [h for seq in self._seqs.values() for h in seq.host_pages]
+        seq_held = [host_page_of(r) for seq in self._seqs.values() for r in seq.host_refs]
         if len(seq_held) != len(set(seq_held)) or set(seq_held) != held:
             err.append("held host pages disagree with the sequences' offloaded pages")
-        if any(seq.host_refs != [host_ref(h) for h in seq.host_pages] for seq in self._seqs.values()):
-            err.append("a sequence's host page refs disagree with its host pages")
         for h in held:
             if self._host_node[h] is not None:
                 err.append(f"held host page {h} is indexed")
@@ -484,7 +483,7 @@ class CacheManager:
         """
         if not self.offload:
             return False
-        done = max(0, seq.committed // self.page_size - len(seq.host_pages))  # computed full GPU pages
+        done = max(0, seq.committed // self.page_size - len(seq.host_refs))  # computed full GPU pages
         short = need - len(self._gpu_free) - len(self._gpu_lru)
         n_move, gained = 0, 0
         for page in seq.pages[:done]:
@@ -501,7 +500,6 @@ class CacheManager:
                 raise RuntimeError("host page allocation failed after the room check")
             self._xfer.queue(True, page, host)
             self._host_held.add(host)
-            seq.host_pages.append(host)
             seq.host_refs.append(host_ref(host))
             self._decref(page)
             self._stats["offloads"] += 1
