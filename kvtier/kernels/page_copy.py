@@ -67,7 +67,9 @@ MAX_BLOCK = 4096
 
 
 if HAVE_TRITON:
-    @triton.jit
+    # n (pages a launch copies) is not specialised on value: a one-page copy would otherwise compile
+    # its own variants, at the first decode step of a context past the GPU pool (a 250 ms stall)
+    @triton.jit(do_not_specialize=["n"])
     def _page_copy_kernel(src_ptr, dst_ptr, src_idx_ptr, dst_idx_ptr, n, src_layer_words, dst_layer_words,
                           W: tl.constexpr, BLOCK: tl.constexpr, EVEN: tl.constexpr):
         """Program (layer * n + i, c): words [c * BLOCK, (c + 1) * BLOCK) of page i of that layer.

@@ -855,12 +855,17 @@ def paged_decode_reference(q: torch.Tensor, st: dict[str, torch.Tensor], fmt: KV
 # Measured on the H200 (tests/gpu/test_paged_prefill.py -k print, 2048 new rows, Hq 32 / Hkv 8):
 # 128 x 128 beat 128 x 64 at 8K and 32K context, bf16 (311 / 370 vs 292 / 307 TFLOP/s) and k8v4
 # (143 / 151 vs 144 / 134), so it is the 16-bit D <= 128 default despite k8v4's register spills.
+# Since int8 / fp8 tiles are scaled as they are decoded (_tile's SCALED), 8-bit keys went the
+# other way (H100, the same sweep): k8v4 128 x 64 221 / 206 TFLOP/s at 8K / 32K against 128 x 128
+# 160 / 169, while bf16 stayed best at 128 x 128 (347 / 381 vs 297 / 321). So 8-bit keys
+# (int8, fp8, k8v4) take PREFILL_BLOCKS_8BIT_K.
 PREFILL_BLOCKS = {
     (2, 128): (128, 128, 8, 3),
     (2, 256): (128, 32, 8, 2),
     (4, 128): (32, 32, 4, 2),
     (4, 256): (16, 16, 4, 2),
 }
+PREFILL_BLOCKS_8BIT_K = (128, 64, 8, 3)  # 16-bit compute, D <= 128
 
 if HAVE_TRITON:
     @triton.jit
@@ -968,9 +973,11 @@ if HAVE_TRITON:
                  o.to(o_ptr.dtype.element_ty), mask=live[:, None])
 
 
-def prefill_blocks(head_dim: int, dtype: torch.dtype) -> tuple[int, int, int, int]:
+def prefill_blocks(fmt: KVFormat, head_dim: int, dtype: torch.dtype) -> tuple[int, int, int, int]:
     """(BLOCK_M rows, BLOCK_N keys, num_warps, num_stages) of the prefill kernel (PREFILL_BLOCKS)."""
     size = 2 if torch.empty((), dtype=dtype).element_size() <= 2 else 4
+    if size == 2 and head_dim <= 128 and isinstance(fmt.k_codec, (Int8Codec, Fp8Codec)):
+        return PREFILL_BLOCKS_8BIT_K
     return PREFILL_BLOCKS[(size, 128 if head_dim <= 128 else 256)]
 
 
@@ -1019,7 +1026,7 @@ def paged_prefill(q: torch.Tensor, st: dict[str, torch.Tensor], fmt: KVFormat, b
         max_new = int((query_start_loc[1:] - query_start_loc[:-1]).max()) if bsz else 0
     if n_rows == 0 or bsz == 0 or max_new <= 0:
         return out
-    block_m, block_n, warps, stages = blocks or prefill_blocks(d, q.dtype)
+    block_m, block_n, warps, stages = blocks or prefill_blocks(fmt, d, q.dtype)
     const = prefill_constants(fmt, d, s, hq // hkv, q.dtype, sink is not None, block_m, block_n, alt is not None)
     sk, sv, slot = sink if sink is not None else (q, q, block_table)  # unused placeholders
     grid = (hkv, bsz, triton.cdiv(max_new, const["BLOCK_Q"]))

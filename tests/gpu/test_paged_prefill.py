@@ -172,11 +172,11 @@ def test_print_prefill_tflops() -> None:
 
 
 def test_print_prefill_block_sweep() -> None:
-    """TFLOP/s of the bf16 and k8v4 kernels per block shape (PREFILL_BLOCKS tuning); run with -s."""
+    """TFLOP/s of the kernel per KV format and block shape (PREFILL_BLOCKS tuning); run with -s."""
     hq = T_KV_HEADS * T_GQA
     print(f"\npaged_prefill block sweep  {T_NEW} new rows, Hq={hq} Hkv={T_KV_HEADS} D={T_D}")
     print(f"{'format':>6} {'context':>7} {'BM,BN,warps,stages':>20} {'ms':>8} {'TFLOP/s':>8}")
-    for name in ("bf16", "k8v4"):
+    for name in ("bf16", "int8", "k8v4", "int4"):
         for ctx in (8192, 32768):
             s = _Setup(name, ctx)
             flops = _causal_flops(ctx, T_NEW, hq, T_D)

@@ -122,7 +122,7 @@ def test_prefill_kernel_compiles_for_h200(name: str) -> None:
             "vs_ptr": lay.get("v_scale", lay["v"]), "bt_ptr": torch.int32, "lens_ptr": torch.int32,
             "qsl_ptr": torch.int32, "sk_ptr": compute, "sv_ptr": compute, "slot_ptr": torch.int64,
             "o_ptr": compute}
-    block_m, block_n, warps, stages = pa.prefill_blocks(128, compute)
+    block_m, block_n, warps, stages = pa.prefill_blocks(fmt, 128, compute)
     const = pa.prefill_constants(fmt, 128, 16, 4, compute, fmt.quantized, block_m, block_n)
     names = pa._prefill_kernel.arg_names
     sig = {n: _SIG[ptrs[n]] if n in ptrs else "constexpr" if n in const else "fp32" if n == "qk_scale" else "i32"
