@@ -47,6 +47,10 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
                         "bound) | quest-max | meankey (baseline) | centroid (per kv head mean key) | midrange "
                         "(per kv head (min + max) / 2) | hybrid-mid (half quest, half midrange: no key sums kept, "
                         "half the summary memory)")
+    p.add_argument("--kvmem-gpu-cache", type=int, default=0,
+                   help="retrieval past the GPU pool (CUDA): tokens of GPU pool pages that keep the host pages "
+                        "decode selects, so a page chosen again is not read over the bus again (0: off, the "
+                        "default; -1: four budgets). Pays where decode keeps choosing the same old pages")
     p.add_argument("--cuda-graphs", default="auto", choices=("auto", "on", "off"),
                    help="capture decode steps as CUDA graphs (auto: on CUDA with the triton backend)")
     p.add_argument("--overlap", default="auto", choices=("auto", "on", "off"),
@@ -75,7 +79,8 @@ def _engine_config(a: argparse.Namespace) -> EngineConfig:
                         decode_weights=a.decode_weights, weights=a.weights, offload_layers=a.offload_layers,
                         attention_backend=a.attention_backend, cuda_graphs=a.cuda_graphs, overlap=a.overlap,
                         retrieval=RetrievalConfig(budget=a.kvmem_budget, sink=a.kvmem_sink,
-                                                  window=a.kvmem_window, selector=a.kvmem_selector))
+                                                  window=a.kvmem_window, selector=a.kvmem_selector,
+                                                  gpu_cache=a.kvmem_gpu_cache))
 
 
 def _sampling_args(p: argparse.ArgumentParser) -> None:

@@ -47,6 +47,11 @@ DEFAULT_SINK = 4
 # Recent tokens always attended: local syntax and the running sentence (8 pages of 16); small
 # next to useful budgets (2K-8K) so most of the budget goes to retrieved pages.
 DEFAULT_WINDOW = 128
+# GPU cache of selected host pages (kernels/hot_pages.py), in budgets (`--kvmem-gpu-cache -1`).
+# Real text (SmolLM2, 7K-token prompt, budget 1024: tools/sim_gpu_cache.py): 81% of a step's
+# retrieved pages were chosen by the step before; a cache of 1 / 2 / 4 budgets hits 44% / 76% /
+# 91% of the retrieved entries.
+GPU_CACHE_BUDGETS = 4
 
 
 @dataclass(frozen=True)
@@ -64,6 +69,10 @@ class RetrievalConfig:
     sink: int = DEFAULT_SINK
     window: int = DEFAULT_WINDOW
     selector: str = "hybrid"
+    # tokens of GPU pool pages that cache the host pages decode selects (kernels/hot_pages.py;
+    # CUDA with the host tier read in place): 0 off (the default: measured slower where tried,
+    # docs/benchmarks.md), -1 GPU_CACHE_BUDGETS budgets
+    gpu_cache: int = 0
 
     def __post_init__(self) -> None:
         if self.budget < 0:
@@ -74,6 +83,8 @@ class RetrievalConfig:
             raise ValueError(f"kvmem window must be >= 0 tokens, got {self.window}")
         if self.selector not in SELECTORS:
             raise ValueError(f"kvmem selector must be one of {', '.join(SELECTORS)}, got {self.selector!r}")
+        if self.gpu_cache < -1:
+            raise ValueError(f"kvmem GPU cache must be >= 0 tokens (-1 = auto, 0 = off), got {self.gpu_cache}")
         if self.budget and self.budget <= self.sink + self.window:
             raise ValueError(f"kvmem budget {self.budget} leaves nothing to retrieve past sink {self.sink} "
                              f"+ window {self.window} tokens")
@@ -86,6 +97,13 @@ class RetrievalConfig:
     def key_sums(self) -> bool:
         """Whether the selector reads the pages' key sums (the summaries keep them only then)."""
         return self.selector in SUM_SELECTORS
+
+    def cache_pages(self, page_size: int) -> int:
+        """Pool pages of the GPU cache of selected host pages (0: none)."""
+        if not self.enabled or self.gpu_cache == 0:
+            return 0
+        tokens = self.gpu_cache if self.gpu_cache > 0 else GPU_CACHE_BUDGETS * self.budget
+        return max(2, -(-tokens // page_size))
 
     def page_counts(self, page_size: int) -> tuple[int, int, int]:
         """(sink pages, most window pages, budget pages) at `page_size`; ValueError when the budget

@@ -111,6 +111,13 @@ def run_batch(engine, prompts: list[list[int]], gen: int) -> tuple[float, float,
     return t_first - t0, t_end - t_first, n, step_ms
 
 
+def _gpu_cache_stats(engine) -> dict[str, int]:
+    """Retrieval's GPU cache of selected host pages so far ({} without one)."""
+    from kvtier.layers.retrieval import RetrievalAttention
+    backend = engine.runner.backend
+    return backend.gpu_cache_stats() if isinstance(backend, RetrievalAttention) else {}
+
+
 def run_grid(a: argparse.Namespace, config: EngineConfig) -> int:
     """config: the EngineConfig the command line asked for; the grid varies its KV format."""
     from kvtier.bench.shapes import random_model
@@ -165,12 +172,19 @@ def run_grid(a: argparse.Namespace, config: EngineConfig) -> int:
                     console.print(f"[dim]skip {kv} ctx {ctx} batch {b}: over --grid-max-tokens[/]")
                     continue
                 prompts = [synthetic_ids(ctx, spec.vocab_size, 31 + 2 * j) for j in range(b)]
+                cache0 = _gpu_cache_stats(engine)
                 ttft, dec_s, n, step_ms = run_batch(engine, prompts, a.gen_tokens)
                 mean_ctx = ctx + a.gen_tokens / 2
                 kv_read = step_kv_bytes(mean_ctx, b, kvpt, ret.budget, summ_pt)  # budget 0: retrieval off
                 rows.append(GridRow("kvtier", kv, ctx, b, ttft, b * ctx / ttft, (n - b) / dec_s,
                                     wbytes - streamed + kv_read, bw, bus_s, step_ms))
                 console.print(_fmt(rows[-1]))
+                cache = _gpu_cache_stats(engine)
+                if cache.get("asked", 0) > cache0.get("asked", 0):
+                    asked, hits = (cache[k] - cache0[k] for k in ("asked", "hits"))
+                    console.print(f"[dim]  GPU cache of selected host pages ({engine.gpu_cache_pages} pages): "
+                                  f"{hits:,} of {asked:,} host list entries hit ({hits / asked:.0%}), "
+                                  f"{cache['brought'] - cache0['brought']:,} pages brought up[/]")
                 if i == 0 and b == 1 and not a.no_hf and hf is not None:
                     r = bench_hf_model(hf, prompts[0], a.gen_tokens, dev, bw)
                     hf_bytes = r.weight_bytes + mean_ctx * 2 * spec.num_layers * spec.num_kv_heads \

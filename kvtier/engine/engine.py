@@ -91,6 +91,9 @@ class _NoDetok:
     def flush(self) -> str:
         return ""
 
+# The GPU cache of selected host pages takes at most 1 / this of the pool, and is left out where
+# that is less than one budget of pages (a small pool keeps its pages for the sequences' own).
+HOT_POOL_SHARE = 4
 # --kv-dtype auto: KV stored in the model's compute dtype.
 KV_DTYPE_FOR_COMPUTE = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 
@@ -118,6 +121,15 @@ class Engine:
         graphs = self._use_graphs(backend_name, spec.head_dim)
         # CUDA graphs pad batches with rows that write their K/V into a page no sequence owns
         scratch = num_pages if graphs else None
+        # retrieval past the GPU pool: the GPU cache of selected host pages (kernels/hot_pages.py)
+        # takes the pool's last pages, which no sequence owns; the host tier grows by as many, so
+        # the tiers hold as many tokens as planned
+        hot = 0
+        if (config.retrieval.enabled and cc.host_kv_mib > 0 and self.device.type == "cuda"
+                and graph_capable(config.retrieval, spec.head_dim, self.device)):
+            hot = min(config.retrieval.cache_pages(cc.page_size), num_pages // HOT_POOL_SHARE)
+            hot = hot if hot >= config.retrieval.page_counts(cc.page_size)[2] else 0
+        self.gpu_cache_pages = hot
         self.pool = PagePool(fmt, spec.num_layers, num_pages + (1 if graphs else 0), spec.num_kv_heads,
                              cc.page_size, spec.head_dim, self.device, compute_dtype=compute)
         host_pages = 0
@@ -125,20 +137,21 @@ class Engine:
         if cc.host_kv_mib > 0:
             per_page = kv_bytes_per_token(fmt, spec.num_kv_heads, spec.head_dim, cc.page_size,
                                           compute) * spec.num_layers * cc.page_size
-            host_pages = max(2, int(cc.host_kv_mib * 2**20 // per_page))
+            host_pages = max(2, int(cc.host_kv_mib * 2**20 // per_page)) + hot
             self.host_pool = PagePool(fmt, spec.num_layers, host_pages, spec.num_kv_heads,
                                       cc.page_size, spec.head_dim, "cpu", compute_dtype=compute,
                                       pin=self.device.type == "cuda")
         self.kv_format = fmt.name
         if fmt.smooth_k:  # fixed smoothing constants before any request (engine/calibrate.py)
             calibrate_pool(model, self.pool, calibration_tokens(tokenizer, spec.vocab_size))
-        self.manager = CacheManager(num_pages, cc.page_size, num_host_pages=host_pages,
+        self.manager = CacheManager(num_pages - hot, cc.page_size, num_host_pages=host_pages,
                                     enable_prefix=cc.enable_prefix_cache,
                                     namespace=f"{model_name}|{fmt.name}")
         chunk = prefill_chunk_for(self.device.type, config.prefill_chunk)
         self.scheduler = Scheduler(self.manager, config.max_batch, chunk)
         backend = make_backend(backend_name, self.pool, scale=spec.head_dim ** -0.5, host_store=self.host_pool,
-                               max_context=self.max_model_len, retrieval=config.retrieval)
+                               max_context=self.max_model_len, retrieval=config.retrieval,
+                               hot_pages=(num_pages - hot, hot) if hot else None)
         self.runner = ModelRunner(model, self.pool, backend, self.device, self.host_pool,
                                   max_seqs=config.max_batch, max_tokens=config.max_batch + chunk,
                                   max_model_len=self.max_model_len, scratch_page=scratch)

@@ -46,15 +46,16 @@ def choose_backend(name: str, device: torch.device) -> str:
 
 
 def make_backend(name: str, store, scale: float, host_store: object | None = None, max_context: int = 0,
-                 retrieval: RetrievalConfig | None = None):
+                 retrieval: RetrievalConfig | None = None, hot_pages: tuple[int, int] | None = None):
     """The backend `name` ("auto" resolved for the store's device) over the page pool `store`.
     max_context: the longest context it serves (0: unknown, planned per step); retrieval: the
-    selection config, required by (and only by) "retrieval"."""
+    selection config, required by (and only by) "retrieval"; hot_pages: (first, count) of the
+    pool pages no sequence owns that retrieval may cache selected host pages in."""
     resolved = choose_backend(name, torch.device(store.device))
     if resolved == "retrieval":
         if retrieval is None or not retrieval.enabled:
             raise ValueError("the retrieval attention backend needs a kvmem budget > 0 (--kvmem-budget)")
-        return RetrievalAttention(store, scale, retrieval, host_store)
+        return RetrievalAttention(store, scale, retrieval, host_store, hot_pages=hot_pages)
     if resolved == "triton":
         return TritonPagedAttention(store, scale, host_store, max_context)
     return DensePagedAttention(store, scale, host_store)

@@ -58,6 +58,7 @@ import torch
 from kvtier.config import RetrievalConfig
 from kvtier.kernels import cpu_ops
 from kvtier.kernels.fused import QKRope
+from kvtier.kernels.hot_pages import HotPages
 from kvtier.kv.summaries import PageSummaries
 from kvtier.layers.attention import AttentionMetadata, DensePagedAttention, plan_sink_rows
 
@@ -83,11 +84,14 @@ class RetrievalAttention:
     name = "retrieval"
 
     def __init__(self, store, scale: float, config: RetrievalConfig, host_store: object | None = None,
-                 summaries: PageSummaries | None = None, record: bool = False, kernel: bool | None = None):
+                 summaries: PageSummaries | None = None, record: bool = False, kernel: bool | None = None,
+                 hot_pages: tuple[int, int] | None = None):
         """summaries: shared with other backends over the same pool (eval); None: a new one.
         kernel: attend through kernels/retrieval_attention.py paged_decode_selected (each kv head
         reads only its own pages, in place) when every selected page is in the compute pool;
-        None: on CUDA. Recording (`record`) keeps the PyTorch path."""
+        None: on CUDA. Recording (`record`) keeps the PyTorch path. hot_pages: (first, count) of
+        pool pages no sequence owns, where the kernel path caches the host pages it selects
+        (kernels/hot_pages.py; used while a host tier is read in place)."""
         if not config.enabled:
             raise ValueError("RetrievalAttention needs a kvmem budget > 0")
         self.store = store
@@ -111,6 +115,8 @@ class RetrievalAttention:
                         if store.device.type == "cuda" else 4)
         self.host_summaries: PageSummaries | None = None
         self.host_cache: HostPageCache | None = None
+        self.hot_range = hot_pages
+        self.hot: HotPages | None = None
         self.attach_host_tier(host_store)
         self.mass_log: list[torch.Tensor] = []
         self.last_selection: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # layer -> (idx, valid)
@@ -134,12 +140,19 @@ class RetrievalAttention:
         self.host_alts = (host_store.kernel_alts(self.store)  # type: ignore[attr-defined]
                           if self.kernel and host_store is not None else None)
         if host_store is None:
-            self.host_summaries = self.host_cache = None
+            self.host_summaries = self.host_cache = self.hot = None
             return
         st = self.store
         self.host_summaries = PageSummaries.like(st, host_store.num_pages, st.device,  # type: ignore[attr-defined]
                                                  self.summaries.sums)
         self.host_cache = HostPageCache(st.num_layers, FETCH_CACHE_BUDGETS * self.budget_pages)
+        self.hot = None
+        if self.host_alts is not None and self.hot_range is not None and self.hot_range[1] >= 2:
+            first, count = self.hot_range
+            if first + count > st.num_pages:
+                raise ValueError(f"GPU cache pages {first}..{first + count - 1} lie past the pool's {st.num_pages}")
+            self.hot = HotPages(st.num_layers, st.kv_heads, host_store.num_pages,  # type: ignore[attr-defined]
+                                first, count, st.device)
 
     @property
     def host_in_place(self) -> bool:
@@ -151,6 +164,11 @@ class RetrievalAttention:
         """Host pages asked for by selections (per layer), cache hits, misses, bytes the misses moved."""
         return dict(self.host_cache.stats) if self.host_cache is not None else {}
 
+    def gpu_cache_stats(self) -> dict[str, int]:
+        """The kernel path's GPU cache of selected host pages: host list entries looked up, hits,
+        pages brought up ({} without one; a device sync)."""
+        return self.hot.read_stats() if self.hot is not None else {}
+
     def pages_departed(self, page_ids: list[int], to_host: list[int]) -> None:
         """Pages copied down keep their summaries in the host tier; what the fetch cache held for
         those host pages is stale."""
@@ -159,6 +177,8 @@ class RetrievalAttention:
         self.host_summaries.copy_rows(self.summaries, torch.tensor(page_ids, dtype=torch.long),
                                       torch.tensor(to_host, dtype=torch.long))
         self.host_cache.drop(to_host)  # type: ignore[union-attr]
+        if self.hot is not None:
+            self.hot.invalidate(to_host)
 
     def pages_arrived(self, page_ids: list[int], from_host: list[int] | None = None) -> None:
         """Swapped-in pages (prefix hits from the host tier, a sequence's pages brought back) take
@@ -355,6 +375,8 @@ class RetrievalAttention:
                 has_host: bool) -> "_Selection":
         """bt: [R, width] page tables, ctx: [R] lengths, pin: [R, P] pinned page indices (-1: none)
         -> the selection tables (`_selection_tables`)."""
+        if has_host and self.hot is not None:  # once a step, before layer 0 looks up its lists
+            self.hot.begin_step()
         ps, window = self.store.page_size, max(self.config.window, 1)
         sink_pages, window_pages, budget_pages = self.config.page_counts(ps)
         device = bt.device
@@ -497,6 +519,8 @@ class RetrievalAttention:
             q = store.native_q(layer, q)
         alt = self.host_alts[layer] if sel.has_host else None  # type: ignore[index]
         self.in_place_host_rows += r if alt is not None else 0
+        if alt is not None and self.hot is not None:  # chosen host pages cached on the GPU read there
+            ids = self.hot.lookup(layer, store.layers[layer], alt, ids, page_idx)
         o = paged_decode_selected(q, store.layers[layer], fmt, ids, page_idx, None, sel.ctx, self.scale, splits,
                                   sink=sink, native=native, alt=alt)
         return store.native_out(o) if self.native and native is None else o

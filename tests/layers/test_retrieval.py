@@ -16,7 +16,7 @@ from kvtier.kv.pool import PagePool
 from kvtier.kv.summaries import PageSummaries
 from kvtier.layers.attention import AttentionMetadata, DensePagedAttention
 from kvtier.layers.backends import make_backend
-from kvtier.config import SELECTORS, RetrievalConfig
+from kvtier.config import GPU_CACHE_BUDGETS, SELECTORS, RetrievalConfig
 from kvtier.layers.retrieval import RetrievalAttention, page_scores
 
 PS, D, PAGES = 4, 8, 96
@@ -293,6 +293,14 @@ def test_config_validation_and_registry():
         make_backend("retrieval", pool, 1.0)
     assert make_backend("retrieval", pool, 1.0, retrieval=RetrievalConfig(budget=64, window=8)).name == "retrieval"
     assert not RetrievalConfig().enabled
+    # the GPU cache of selected host pages: auto = GPU_CACHE_BUDGETS budgets, in whole pages; 0 off
+    assert RetrievalConfig(budget=2048).cache_pages(16) == 0  # off by default
+    assert RetrievalConfig(budget=2048, gpu_cache=-1).cache_pages(16) == GPU_CACHE_BUDGETS * 2048 // 16
+    assert RetrievalConfig(budget=2048, gpu_cache=1000).cache_pages(16) == 63
+    assert RetrievalConfig(budget=2048, gpu_cache=0).cache_pages(16) == 0
+    assert RetrievalConfig(gpu_cache=1000).cache_pages(16) == 0  # retrieval off
+    with pytest.raises(ValueError, match="GPU cache"):
+        RetrievalConfig(budget=64, gpu_cache=-2)
 
 
 @pytest.mark.parametrize("fmt_name", ["fp32", "int8"])
