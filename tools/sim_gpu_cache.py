@@ -65,11 +65,12 @@ def ring_hits(steps: list[list[int]], slots: int) -> tuple[int, int]:
 
 
 def prompt(tok, tokens: int) -> list[int]:
-    """This repo's docs, cut to `tokens` with a question at the end."""
+    """A chat turn: this repo's docs cut to about `tokens`, then a question about them."""
     text = "\n\n".join((ROOT / "docs" / f).read_text() for f in ("architecture.md", "benchmarks.md"))
-    question = "\n\nQuestion: what does the retrieval backend keep on the GPU, and why?\nAnswer:"
-    q_ids = tok.encode(question)
-    return tok.encode(text)[: tokens - len(q_ids)] + q_ids
+    question = "\n\nWhat does the retrieval backend keep on the GPU, and why? Answer in a few sentences."
+    wrap = len(tok.encode(tok.apply_chat_template([{"role": "user", "content": question}])))
+    doc = tok.decode(tok.encode(text)[: tokens - wrap])
+    return tok.encode(tok.apply_chat_template([{"role": "user", "content": doc + question}]))
 
 
 def on_gpu(a: argparse.Namespace) -> None:
@@ -150,6 +151,12 @@ def main() -> None:
             total += len(cur)
     print(f"retrieved pages the previous step chose too: {repeat / max(total, 1):.0%} "
           f"({len(per)} (layer, kv head) lists, {len(next(iter(per.values())))} steps)")
+    ctx_pages = -(-(len(ids) + len(out)) // ps)
+    for share in (0.5, 0.75):  # the oldest `share` of the context in the host tier
+        old = sum(p < share * ctx_pages for steps in per.values() for pages in steps for p in pages)
+        every = sum(len(pages) for steps in per.values() for pages in steps)
+        print(f"with the oldest {share:.0%} of the pages in the host tier, {old / max(every, 1):.0%} of the "
+              f"retrieved entries would read host pages")
     k = ret.page_counts(ps)[2]
     for budgets in (1, 2, 4):
         hits = asked = 0

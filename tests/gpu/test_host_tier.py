@@ -53,15 +53,17 @@ def model_bf16() -> Decoder:
 
 def run(model: Decoder, kv: str, num_pages: int, host_kv_mib: int = 0,
         retrieval: RetrievalConfig | None = None, graphs: str = "auto",
-        max_batch: int = 2) -> tuple[list[list[int]], Engine]:
+        max_batch: int = 2, lengths: tuple[int, ...] = LENGTHS, gen: int = GEN, max_model_len: int = 1024,
+        prefill_chunk: int = 64) -> tuple[list[list[int]], Engine]:
+    """Greedy tokens of `lengths` random prompts (gen each) through an engine of this config."""
     dtype = "bf16" if model.dtype == torch.bfloat16 else "fp32"
-    cfg = EngineConfig(device="cuda", dtype=dtype, max_batch=max_batch, prefill_chunk=64, cuda_graphs=graphs,
-                       retrieval=retrieval or RetrievalConfig(),
+    cfg = EngineConfig(device="cuda", dtype=dtype, max_batch=max_batch, prefill_chunk=prefill_chunk,
+                       cuda_graphs=graphs, retrieval=retrieval or RetrievalConfig(),
                        cache=CacheConfig(kv_dtype=kv, num_pages=num_pages, page_size=PS, host_kv_mib=host_kv_mib))
-    eng = Engine(model, None, cfg, model_name="random", max_model_len=1024)
+    eng = Engine(model, None, cfg, model_name="random", max_model_len=max_model_len)
     g = torch.Generator().manual_seed(1)
-    reqs = [Request(f"r{i}", torch.randint(0, SPEC.vocab_size, (n,), generator=g).tolist(),
-                    SamplingParams(temperature=0.0, max_tokens=GEN, ignore_eos=True)) for i, n in enumerate(LENGTHS)]
+    reqs = [Request(f"r{i}", torch.randint(0, model.spec.vocab_size, (n,), generator=g).tolist(),
+                    SamplingParams(temperature=0.0, max_tokens=gen, ignore_eos=True)) for i, n in enumerate(lengths)]
     out = eng.generate_sync(reqs)
     return [[t for o in out[r.request_id] for t in o.token_ids] for r in reqs], eng
 

@@ -23,11 +23,11 @@ REPO = Path(__file__).resolve().parents[2]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from kvtier.config import CacheConfig, EngineConfig, ModelSpec, RetrievalConfig  # noqa: E402
+from kvtier.config import ModelSpec, RetrievalConfig  # noqa: E402
 from kvtier.engine.engine import Engine  # noqa: E402
-from kvtier.engine.request import Request, SamplingParams  # noqa: E402
 from kvtier.models.decoder import Decoder  # noqa: E402
 from kvtier.models.registry import expected_shapes  # noqa: E402
+from tests.gpu import test_host_tier as host_tier  # noqa: E402
 from tests.layers import hot_pages_cases  # noqa: E402
 
 
@@ -42,7 +42,6 @@ def test_kernel_invariants(name, dtype, slots):
 
 SPEC = ModelSpec(arch="qwen3", vocab_size=256, hidden_size=256, intermediate_size=384, num_layers=3,
                  num_heads=8, num_kv_heads=2, head_dim=64, qk_norm=True, max_position_embeddings=4096)
-PS = 16
 LENGTHS = (1900, 1700)  # both past the small pool's 96 sequence pages (128 less the 32 cache pages)
 GEN = 24
 RET = RetrievalConfig(budget=256, sink=4, window=32)
@@ -59,15 +58,8 @@ def model() -> Decoder:
 def run(model: Decoder, kv: str, num_pages: int, host_kv_mib: int = 0, gpu_cache: int = CACHE,
         graphs: str = "auto") -> tuple[list[list[int]], Engine]:
     ret = RetrievalConfig(budget=RET.budget, sink=RET.sink, window=RET.window, gpu_cache=gpu_cache)
-    cfg = EngineConfig(device="cuda", dtype="fp32", max_batch=2, prefill_chunk=256, cuda_graphs=graphs,
-                       retrieval=ret,
-                       cache=CacheConfig(kv_dtype=kv, num_pages=num_pages, page_size=PS, host_kv_mib=host_kv_mib))
-    eng = Engine(model, None, cfg, model_name="random", max_model_len=4096)
-    g = torch.Generator().manual_seed(1)
-    reqs = [Request(f"r{i}", torch.randint(0, SPEC.vocab_size, (n,), generator=g).tolist(),
-                    SamplingParams(temperature=0.0, max_tokens=GEN, ignore_eos=True)) for i, n in enumerate(LENGTHS)]
-    out = eng.generate_sync(reqs)
-    return [[t for o in out[r.request_id] for t in o.token_ids] for r in reqs], eng
+    return host_tier.run(model, kv, num_pages, host_kv_mib, ret, graphs, lengths=LENGTHS, gen=GEN,
+                         max_model_len=4096, prefill_chunk=256)
 
 
 @pytest.mark.parametrize("kv", ["fp32", "k8v4"])
