@@ -330,6 +330,29 @@ if HAVE_TRITON:
         v, vs = _tile(v_ptr, vs_ptr, v_row, vs_row, valid, V_MODE, D, V_GROUP, BLOCK_N, BIAS, V_HALF, V_HALF)
         return k, ks, v, vs
 
+    @triton.jit
+    def _tile_pages(bt_ptr, idx_ptr, ok_ptr, bt_row, e0, p0, p_hi, seq_len, t_lo, offs, S: tl.constexpr,
+                    SELECTED: tl.constexpr, SEL_VALID: tl.constexpr, HAS_SINK: tl.constexpr):
+        """The split kernel's tile of pages p0 .. p0 + PAGES - 1 (SELECTED: list entries), per token
+        `offs`: (page id int64, valid). bt_row: the sequence's block-table row offset."""
+        pidx = p0 + offs // S  # page index within the sequence (SELECTED: entry index), per token
+        in_page = offs % S
+        if SELECTED:
+            e_ok = pidx < p_hi
+            pos = tl.load(idx_ptr + e0 + pidx, mask=e_ok, other=-1).to(tl.int32)  # the entry's page index
+            if SEL_VALID:  # loaded beside the page index, not before it (no chain of dependent loads)
+                pos = tl.where(tl.load(ok_ptr + e0 + pidx, mask=e_ok, other=0) != 0, pos, -1)
+            tok = pos * S + in_page
+            valid = (pos >= 0) & (tok < seq_len)  # pos is -1 past the split's entries
+            page = tl.load(bt_ptr + e0 + pidx, mask=e_ok, other=0).to(tl.int64)
+        else:
+            tok = pidx * S + in_page
+            valid = (pidx < p_hi) & (tok < seq_len)
+            page = tl.load(bt_ptr + bt_row + pidx, mask=pidx < p_hi, other=0).to(tl.int64)
+        if HAS_SINK:
+            valid = valid & (tok >= t_lo)
+        return page, valid
+
     # Runtime ints that may be 1 or multiples of 16: not specialised on value (one compile serves all).
     @triton.jit(do_not_specialize=["Hkv", "G", "num_splits", "stride_bt", "n_sel", *ALT_ARGS])
     def _split_kernel(q_ptr, k_ptr, ks_ptr, v_ptr, vs_ptr, bt_ptr, lens_ptr, idx_ptr, ok_ptr, sk_ptr, sv_ptr,
@@ -341,7 +364,8 @@ if HAVE_TRITON:
                       V_GROUP: tl.constexpr, BIAS: tl.constexpr, HAS_SINK: tl.constexpr,
                       SINGLE: tl.constexpr, DOT_PREC: tl.constexpr, Q_SMOOTH: tl.constexpr,
                       Q_ROTATE: tl.constexpr, INV_SQRT_D: tl.constexpr, SELECTED: tl.constexpr,
-                      SEL_VALID: tl.constexpr, ALT: tl.constexpr, V_PARTS: tl.constexpr = 1):
+                      SEL_VALID: tl.constexpr, ALT: tl.constexpr, V_PARTS: tl.constexpr = 1,
+                      PREFETCH_IDS: tl.constexpr = False):
         """One (sequence b, kv head h, split sp): softmax partial of the G query heads of h.
 
         SELECTED (retrieval_attention.paged_decode_selected): row b's kv head h reads its own
@@ -354,6 +378,8 @@ if HAVE_TRITON:
         pinned host pages read over the bus, or a staging copy), at ad_* rows from the pool's.
         V_PARTS 4 (int8 V, 16-bit q; `code_parts`): the V code tile stays in the column sets of a 32-bit
         word's four bytes (`_int8_parts`), one tl.dot and one accumulator a set, joined after the loop.
+        PREFETCH_IDS (formats run with one pipeline stage, `decode_stages`): each iteration loads the
+        next tile's page ids before its own tile's codes, so the codes' loads never wait on an id load.
         """
         b = tl.program_id(0)
         h = tl.program_id(1)
@@ -364,6 +390,7 @@ if HAVE_TRITON:
             e0 = (b * Hkv + h).to(tl.int64) * n_sel  # entry (b, h, 0) of the [B, Hkv, n_sel] tables
             n_pages = n_sel
         else:
+            e0 = 0
             n_pages = tl.cdiv(seq_len, S)
         pps = tl.cdiv(n_pages, num_splits)
         p_lo = sp * pps
@@ -400,24 +427,17 @@ if HAVE_TRITON:
             acc0, acc1, acc2, acc3 = _cols4(acc, G_PAD, D)
         offs = tl.arange(0, BLOCK_N)
         in_page = offs % S
+        if PREFETCH_IDS:
+            page_n, valid_n = _tile_pages(bt_ptr, idx_ptr, ok_ptr, b * stride_bt, e0, p_lo, p_hi, seq_len, t_lo, offs,
+                                          S, SELECTED, SEL_VALID, HAS_SINK)
         for p0 in range(p_lo, p_hi, PAGES):
-            pidx = p0 + offs // S  # page index within the sequence (SELECTED: entry index), per token
-            if SELECTED:
-                e_ok = pidx < p_hi
-                pos = tl.load(idx_ptr + e0 + pidx, mask=e_ok, other=-1).to(tl.int32)  # the entry's page index
-                if SEL_VALID:  # loaded beside the page index, not before it (no chain of dependent loads)
-                    pos = tl.where(tl.load(ok_ptr + e0 + pidx, mask=e_ok, other=0) != 0, pos, -1)
-                tok = pos * S + in_page
-                valid = (pos >= 0) & (tok < seq_len)  # pos is -1 past the split's entries
-                if HAS_SINK:
-                    valid = valid & (tok >= t_lo)
-                page = tl.load(bt_ptr + e0 + pidx, mask=e_ok, other=0).to(tl.int64)
+            if PREFETCH_IDS:  # this tile's ids came last iteration; the next tile's load now, under this one
+                page, valid = page_n, valid_n
+                page_n, valid_n = _tile_pages(bt_ptr, idx_ptr, ok_ptr, b * stride_bt, e0, p0 + PAGES, p_hi, seq_len,
+                                              t_lo, offs, S, SELECTED, SEL_VALID, HAS_SINK)
             else:
-                tok = pidx * S + in_page
-                valid = (pidx < p_hi) & (tok < seq_len)
-                if HAS_SINK:
-                    valid = valid & (tok >= t_lo)
-                page = tl.load(bt_ptr + b * stride_bt + pidx, mask=pidx < p_hi, other=0).to(tl.int64)
+                page, valid = _tile_pages(bt_ptr, idx_ptr, ok_ptr, b * stride_bt, e0, p0, p_hi, seq_len, t_lo, offs,
+                                          S, SELECTED, SEL_VALID, HAS_SINK)
             k_row, ks_row, v_row, vs_row = _kv_rows(page, h, in_page, ad_k, ad_ks, ad_v, ad_vs, Hkv, S, ALT)
             k, ks = _tile(k_ptr, ks_ptr, k_row, ks_row, valid, K_MODE, D, K_GROUP, BLOCK_N, BIAS, half)
             if V_PARTS == 1:  # (V_PARTS 4: the sets are loaded at the P @ V product below)
@@ -541,7 +561,7 @@ def split_constants(fmt: KVFormat, head_dim: int, page_size: int, gqa: int, dtyp
                     INV_SQRT_D=inv_sqrt_f32(head_dim))
     return dict(S=page_size, D=head_dim, G_PAD=max(MIN_DOT_ROWS, _pow2(gqa)), PAGES=pages,
                 HAS_SINK=has_sink, SINGLE=single, SELECTED=selected, SEL_VALID=sel_valid, ALT=alt, **fold,
-                V_PARTS=code_parts(fmt.v_codec, head_dim, dtype),
+                V_PARTS=code_parts(fmt.v_codec, head_dim, dtype), PREFETCH_IDS=decode_stages(fmt) == 1,
                 **_codec_constants(fmt, head_dim, dtype))
 
 

@@ -30,7 +30,9 @@ SINKS = [True, False, True]
 SEL_CASES = [(name, gqa, 4, 64 if (i + gqa) % 2 else 128, LENS, SINKS,
               torch.float16 if i % 2 else torch.float32, 5)
              for i, name in enumerate(cases.FORMAT_NAMES) for gqa in (1, 4)]
-SEL_CASES += [("k8v4", 2, 2, 64, [45, 5], [True, True], torch.float16, 12)]  # several tiles per split
+SEL_CASES += [("k8v4", 2, 2, 64, [45, 5], [True, True], torch.float16, 12),
+              # two 32-page tiles a list: the next tile's ids load under this one (PREFETCH_IDS)
+              ("k8v4", 2, 4, 32, [300, 45], [True, True], torch.float32, 40)]
 # (num_splits, with sinks, invalid entries as page_idx -1 instead of `valid`)
 SEL_RUNS = ((1, True, False), (3, True, True), (1, False, True))
 FOLD_FORMATS = ("int8", "k8v4")
