@@ -40,7 +40,7 @@ Caveats:
     freed pinned block could be handed out again while the kernel still touches it.
     Pool storage lives as long as the pool, so this holds for PagePool.
   * Indices are not range-checked here (that would need a device sync): the caller
-    (PagePool._check_copy) validates them. `dst_idx` must be distinct.
+    (kv/transfer.py PageTransfers._check) validates them. `dst_idx` must be distinct.
   * Under TRITON_INTERPRET=1 the kernel runs on CPU tensors (both sides on CPU), which
     is how tests/kv/test_page_copy_interp.py checks it without a GPU.
 

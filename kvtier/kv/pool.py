@@ -10,7 +10,6 @@ format-agnostic: gather -> copy -> scatter per tensor.
 
 from __future__ import annotations
 
-import time
 from collections import OrderedDict
 from collections.abc import Sequence
 
@@ -18,6 +17,7 @@ import torch
 
 from kvtier.kernels import cpu_ops, fused, kv_quant, kv_transform
 from kvtier.kv.formats import KVFormat
+from kvtier.kv.transfer import PageTransfers
 
 # K smoothing: a channel's scale is at least this fraction of its head's median spread.
 SPREAD_FLOOR = 0.1
@@ -87,11 +87,7 @@ class PagePool:
         self.sink_slot = torch.full((num_pages,), -1, dtype=torch.long, device=self.device, pin_memory=sink_pin)
         self._sink_of_page: OrderedDict[int, int] = OrderedDict()  # host mirror, oldest assignment first
         self._sink_free = list(range(self.sink_slots - 1, -1, -1))
-        self._copy_stream: torch.cuda.Stream | None = None
-        # Page-copy accounting, this pool as the source (GPU pool: swap-out; host pool: swap-in).
-        self.copy_bytes = 0
-        self.copy_seconds = 0.0
-        self._pending: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []  # CUDA-timed copies
+        self.transfers = PageTransfers(self)  # page copies out of this pool (kv/transfer.py)
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
               sink: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
@@ -287,7 +283,7 @@ class PagePool:
         sidx = pool.sink_slot.index_select(0, sel.to(pool.device))  # [n], -1: no sink row
         ok = (sidx >= 0).to(self.device, non_blocking=True)[:, None, None]
         sidx = sidx.clamp_min(0)
-        if pool is not self and pool._kernel_copy(self):  # pinned host rows, gathered by the GPU
+        if pool is not self and pool.transfers.kernel_copy(self):  # pinned host rows, gathered by the GPU
             from kvtier.kernels import page_copy
             rows = torch.arange(sidx.numel(), device=self.device)
             sk, sv = (torch.empty((1, sidx.numel(), *t.shape[2:]), dtype=t.dtype, device=self.device)
@@ -349,7 +345,7 @@ class PagePool:
         if not self.compatible_with(src):
             raise ValueError("read_from a pool of different format or page geometry")
         idx = page_ids.to(src.device)
-        if src._kernel_copy(self):  # the GPU gathers the pinned host pages itself
+        if src.transfers.kernel_copy(self):  # the GPU gathers the pinned host pages itself
             from kvtier.kernels import page_copy
             rows = torch.arange(idx.numel(), device=self.device)
             staged = {}
@@ -445,119 +441,20 @@ class PagePool:
 
     def copy_to(self, dst: PagePool, src_ids: Sequence[int] | torch.Tensor,
                 dst_ids: Sequence[int] | torch.Tensor) -> None:
-        """Copy pages `src_ids` of this pool into pages `dst_ids` of `dst`, batched.
-
-        Per layer and tensor: one gather into a staging buffer, one device copy,
-        one scatter; never per-page copies. `dst_ids` must be distinct. With a
-        CUDA side the copies run on a dedicated stream that first waits for the
-        current stream; the current stream then waits for them, so the next
-        forward sees the pages. Through the page-copy kernel (GPU <-> pinned host)
-        nothing waits on the host: host pages are only read by later GPU work
-        (copies, read_from), ordered by the streams; the staged GPU->host path
-        returns after its host scatter. `sync()` waits for all of them.
-        """
-        src_idx, dst_idx = self._check_copy(dst, src_ids, dst_ids)
-        if src_idx.numel() == 0:
-            return
-        self.copy_bytes += self.bytes_per_page() * src_idx.numel()
-        cuda_dev = next((p.device for p in (self, dst) if p.device.type == "cuda"), None)
-        if cuda_dev is None:
-            t0 = time.perf_counter()
-            self._copy_layers(dst, src_idx, dst_idx, non_blocking=False)
-            self.copy_seconds += time.perf_counter() - t0
-            return
-        stream = self._stream(cuda_dev)
-        stream.wait_stream(torch.cuda.current_stream(cuda_dev))
-        with torch.cuda.stream(stream):
-            start = torch.cuda.Event(enable_timing=True)
-            start.record(stream)
-            self._copy_layers(dst, src_idx, dst_idx, non_blocking=True)
-            done = torch.cuda.Event(enable_timing=True)
-            done.record(stream)
-        torch.cuda.current_stream(cuda_dev).wait_event(done)
-        self._pending.append((start, done))  # timed when done: no sync here
+        """Copy pages `src_ids` of this pool into pages `dst_ids` of `dst`, batched, sink rows with
+        them (kv/transfer.py PageTransfers.copy: the streams, the paths, the checks)."""
+        self.transfers.copy(dst, src_ids, dst_ids)
 
     def sync(self) -> None:
         """Wait until every page copy out of this pool has landed (e.g. before the CPU reads host pages)."""
-        if self._copy_stream is not None:
-            self._copy_stream.synchronize()
+        self.transfers.sync()
 
     def transfer_stats(self) -> dict[str, float]:
-        """Bytes, seconds and GB/s of the page copies out of this pool (`copy_to`).
+        """Bytes, seconds and GB/s of the page copies out of this pool (`copy_to`)."""
+        return self.transfers.stats()
 
-        CUDA copies are timed by events on the copy stream, read once they have
-        completed (never waited for here), so very recent copies may count only
-        their bytes until a later call.
-        """
-        still: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
-        for start, done in self._pending:
-            if done.query():
-                self.copy_seconds += start.elapsed_time(done) / 1e3
-            else:
-                still.append((start, done))
-        self._pending = still
-        t = self.copy_seconds
-        return {"copy_bytes": self.copy_bytes, "copy_seconds": t,
-                "copy_gbps": self.copy_bytes / t / 1e9 if t > 0 else 0.0}
-
-    def _copy_layers(self, dst: PagePool, src_idx: torch.Tensor, dst_idx: torch.Tensor,
-                     non_blocking: bool) -> None:
-        """Between a GPU and pinned host memory: the page-copy kernel, one launch per layout
-        tensor for all layers, the GPU reading (or writing) the host pages directly (2,048
-        scattered 1 KiB pages: 48 GB/s against 18-20 for the staged path below).
-
-        Otherwise per layer and layout tensor: gather [n, H, S, ...] -> copy -> scatter
-        (per layer, not one [L, n, ...] gather of the whole storage: on the host side a
-        page-axis gather inside one contiguous layer measured ~4x faster).
-        """
-        s_idx = src_idx.to(self.device, non_blocking=non_blocking)
-        d_idx = dst_idx.to(dst.device, non_blocking=non_blocking)
-        to_host = dst.device.type == "cpu" and self.device.type == "cuda"
-        from_host = self.device.type == "cpu" and dst.device.type == "cuda"
-        staged_host: list[tuple[torch.Tensor, int, torch.Tensor, torch.Tensor]] = []
-
-        def move(src_t: torch.Tensor, dst_t: torch.Tensor, dim: int, si: torch.Tensor, di: torch.Tensor) -> None:
-            shape = (*src_t.shape[:dim], si.numel(), *src_t.shape[dim + 1:])
-            staged = torch.empty(shape, dtype=src_t.dtype, device=self.device, pin_memory=from_host)
-            torch.index_select(src_t, dim, si, out=staged)
-            if to_host:  # device->host lands in pinned memory, else the copy is synchronous
-                moved = torch.empty(staged.shape, dtype=staged.dtype, pin_memory=True)
-                moved.copy_(staged, non_blocking=True)
-                staged_host.append((dst_t, dim, di, moved))
-            else:
-                dst_t.index_copy_(dim, di, staged.to(dst.device, non_blocking=non_blocking))
-
-        sinks = self._sink_moves(dst, src_idx, dst_idx)
-        if self._kernel_copy(dst):  # one launch per tensor for all layers, host side zero-copy
-            from kvtier.kernels import page_copy
-            for name, src_t in self.storage.items():
-                page_copy.copy_pages(src_t, dst.storage[name], s_idx, d_idx)
-            if sinks is not None:  # [L, slots, H, D]: slots play the page axis
-                for a, b in ((self.sink_k, dst.sink_k), (self.sink_v, dst.sink_v)):
-                    page_copy.copy_pages(a, b, sinks[0], sinks[1])
-            return  # no host sync: the host pages are read only by later GPU work, stream-ordered
-        for src_st, dst_st in zip(self.layers, dst.layers):
-            for name, src_t in src_st.items():
-                move(src_t, dst_st[name], 0, s_idx, d_idx)  # [n, H, S, ...] per layer
-        if sinks is not None:  # [L, n, H, D]: all layers' sink rows in one gather
-            s_slots, d_slots = sinks
-            for a, b in ((self.sink_k, dst.sink_k), (self.sink_v, dst.sink_v)):
-                move(a, b, 1, s_slots.to(self.device), d_slots)
-        if to_host:  # the host scatter must wait for the device->host copies
-            torch.cuda.current_stream(self.device).synchronize()
-            for t, dim, di, moved in staged_host:
-                t.index_copy_(dim, di, moved)
-
-    def _kernel_copy(self, dst: PagePool) -> bool:
-        """Whether copies to `dst` go through the Triton page-copy kernel (kernels/page_copy.py):
-        a CUDA pool on one side and pinned host memory (or the same GPU) on the other."""
-        if "cuda" not in (self.device.type, dst.device.type):
-            return False
-        from kvtier.kernels import page_copy
-        return all(page_copy.available(t, dst.storage[name]) for name, t in self.storage.items())
-
-    def _sink_moves(self, dst: PagePool, src_idx: torch.Tensor,
-                    dst_idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def sink_moves(self, dst: PagePool, src_idx: torch.Tensor,
+                   dst_idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Sink slots that follow copied pages: (source slots, destination slots), or None.
 
         Destination pages whose source has no sink row lose theirs.
@@ -572,28 +469,3 @@ class PagePool:
             return None
         d_slots = dst.assign_sinks([d for d, _ in have])
         return torch.tensor([s for _, s in have], dtype=torch.long), d_slots
-
-    def _check_copy(self, dst: PagePool, src_ids: Sequence[int] | torch.Tensor,
-                    dst_ids: Sequence[int] | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if not self.compatible_with(dst):
-            raise ValueError("copy_to between pools of different format or page geometry")
-        src_idx = torch.as_tensor(src_ids, dtype=torch.long).cpu().reshape(-1)
-        dst_idx = torch.as_tensor(dst_ids, dtype=torch.long).cpu().reshape(-1)
-        if src_idx.numel() != dst_idx.numel():
-            raise ValueError(f"copy_to: {src_idx.numel()} source pages but {dst_idx.numel()} destinations")
-        if src_idx.numel() == 0:
-            return src_idx, dst_idx
-        if int(src_idx.min()) < 0 or int(src_idx.max()) >= self.num_pages:
-            raise ValueError(f"copy_to: source page ids out of range [0, {self.num_pages})")
-        if int(dst_idx.min()) < 0 or int(dst_idx.max()) >= dst.num_pages:
-            raise ValueError(f"copy_to: destination page ids out of range [0, {dst.num_pages})")
-        if dst is self and bool((src_idx[:, None] == dst_idx[None, :]).any()):
-            raise ValueError("copy_to within one pool: source and destination pages overlap")
-        if torch.unique(dst_idx).numel() != dst_idx.numel():
-            raise ValueError("copy_to: destination page ids must be distinct")
-        return src_idx, dst_idx
-
-    def _stream(self, device: torch.device) -> torch.cuda.Stream:
-        if self._copy_stream is None:
-            self._copy_stream = torch.cuda.Stream(device)
-        return self._copy_stream

@@ -110,7 +110,8 @@ def _seconds(fn: Callable[[], None], reps: int = 5) -> float:
 
 
 def _staged(src: torch.Tensor, dst: torch.Tensor, si: torch.Tensor, di: torch.Tensor) -> None:
-    """PagePool._copy_layers' host -> GPU path: per layer gather into pinned staging, copy, scatter."""
+    """PageTransfers._copy_layers' host -> GPU path (kv/transfer.py): per layer gather into pinned staging,
+    copy, scatter."""
     for layer in range(src.shape[0]):
         staged = torch.empty((si.numel(), *src.shape[2:]), dtype=src.dtype, pin_memory=True)
         torch.index_select(src[layer], 0, si, out=staged)
