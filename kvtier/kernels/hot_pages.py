@@ -75,9 +75,9 @@ if HAVE_TRITON:
             slot = tl.load(mrow, volatile=True).to(tl.int64)
             base = tl.load(base_ptr + h)
             ahead = (slot - base % C + C) % C  # slots base .. base + Q - 1 may be rewritten by this launch
-            tl.atomic_add(stats_ptr, 1)
+            tl.atomic_add(stats_ptr + h * 3, 1)  # this (layer, head)'s counters: no one address for all
             if (slot >= 0) & (ahead >= Q):
-                tl.atomic_add(stats_ptr + 1, 1)
+                tl.atomic_add(stats_ptr + h * 3 + 1, 1)
                 out = first + slot
             else:
                 c = tl.atomic_add(claim_ptr + h, 1) - base
@@ -98,7 +98,7 @@ if HAVE_TRITON:
                     if RE3 > 0:
                         _copy_rows(t3, ad3, hp, dst, h, Hkv, S, RE3, BLK3)
                     tl.store(mrow, new.to(tl.int32))
-                    tl.atomic_add(stats_ptr + 2, 1)
+                    tl.atomic_add(stats_ptr + h * 3 + 2, 1)
                     out = dst
         tl.store(out_ptr + e, out)
 
@@ -131,7 +131,8 @@ class HotPages:
         self.owner = torch.full((num_layers, kv_heads, num_slots), -1, dtype=torch.int32, device=dev)
         self.claim = torch.zeros((num_layers, kv_heads), dtype=torch.int64, device=dev)
         self.base = torch.zeros((num_layers, kv_heads), dtype=torch.int64, device=dev)
-        self.stats = torch.zeros(3, dtype=torch.int64, device=dev)  # host entries looked up, hits, pages brought up
+        # per (layer, kv head): host entries looked up, hits, pages brought up
+        self.stats = torch.zeros((num_layers, kv_heads, 3), dtype=torch.int64, device=dev)
 
     def begin_step(self) -> None:
         """Once a step before its lookups: each ring's window moves past last step's claims (the
@@ -148,7 +149,7 @@ class HotPages:
 
     def read_stats(self) -> dict[str, int]:
         """(host entries looked up, hits, pages brought up) since the start (a device sync)."""
-        asked, hits, brought = self.stats.tolist()
+        asked, hits, brought = self.stats.sum((0, 1)).tolist()
         return {"asked": asked, "hits": hits, "brought": brought}
 
     def lookup(self, layer: int, st: dict[str, torch.Tensor], alt: AltPages, page_ids: torch.Tensor,
@@ -171,7 +172,7 @@ class HotPages:
             re = _row_elements(t) if t is not None else 0
             const[f"RE{i}"], const[f"BLK{i}"] = re, _pow2(const["S"] * max(re, 1))
         _hot_kernel[(ids.numel(),)](ids, page_idx.contiguous(), out, self.map[layer], self.owner[layer],
-                                    self.claim[layer], self.base[layer], self.stats, *args, *ads,
+                                    self.claim[layer], self.base[layer], self.stats[layer], *args, *ads,
                                     ids.shape[1], ids.shape[2], self.num_host, self.first, self.num_slots,
                                     self.quota, **const, num_warps=2)
         return out
@@ -190,9 +191,10 @@ def hot_lookup_reference(hot: HotPages, layer: int, st: dict[str, torch.Tensor],
             continue
         h, hp = (e // n_sel) % hkv, -1 - pid
         slot, base = int(hmap[h, hp]), int(hot.base[layer, h])
-        hot.stats[0] += 1
+        stats = hot.stats[layer, h]
+        stats[0] += 1
         if slot >= 0 and (slot - base % c_total + c_total) % c_total >= q:
-            hot.stats[1] += 1
+            stats[1] += 1
             out[e] = hot.first + slot
             continue
         c = int(claim[h]) - base
@@ -207,6 +209,6 @@ def hot_lookup_reference(hot: HotPages, layer: int, st: dict[str, torch.Tensor],
         for name, t in st.items():
             t[hot.first + new, h] = alt.st[name][hp, h].to(t.device)
         hmap[h, hp] = new
-        hot.stats[2] += 1
+        stats[2] += 1
         out[e] = hot.first + new
     return torch.tensor(out, dtype=page_ids.dtype, device=page_ids.device).view(r, hkv, n_sel)
