@@ -5,17 +5,18 @@
 
 Random-weight benches choose nearly new pages every step (13% repeat on an H100 profile), so they
 cannot show what kernels/hot_pages.py's cache buys. This runs a real model on the CPU over a long
-natural prompt (this repo's docs, then a question), records each decode step's per-(layer, kv head)
-selection (RetrievalAttention's `record`), and replays the retrieved pages (the top-k, not the
-sink or the window, which sit on the GPU anyway) through the cache's rule: per (layer, head) a
-ring of C slots claimed in order, a step's claims within a window of C / 2 slots, a page whose
-slot falls in that window counted as a miss (kernels/hot_pages.py). Prints, per cache size in
-budgets: the share of retrieved entries that hit, and the share of pages the previous step chose.
+natural prompt (a chat turn: this repo's docs, then a question), records each decode step's
+per-(layer, kv head) selection (RetrievalAttention's `record`), and replays the retrieved pages
+(the top-k, not the sink or the window, which sit on the GPU anyway) through the cache's rule:
+per (layer, head) a ring of C slots claimed in order, a step's claims within a window of C / 2
+slots, a page whose slot falls in that window counted as a miss (kernels/hot_pages.py). Prints
+the share of pages the previous step chose too, the share of retrieved entries that would read
+the host tier if the oldest 50% / 75% of the pages sat there, and per cache size in budgets the
+share of retrieved entries that hit.
 
 --device cuda runs the real thing instead: the prompt over a small GPU pool (--gpu-kv-mib) and a
 host tier, decode with the cache (--kvmem-gpu-cache as serve's; here -1, four budgets, by
-default) and without it;
-prints decode tok/s and the cache's own counts (kernels/hot_pages.py stats).
+default) and without it; prints decode tok/s and the cache's own counts (kernels/hot_pages.py).
 """
 
 from __future__ import annotations
