@@ -23,6 +23,7 @@ needs one (no eviction, offload or preemption), sampling that reads no token his
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import queue
 import threading
@@ -91,6 +92,7 @@ class _NoDetok:
     def flush(self) -> str:
         return ""
 
+log = logging.getLogger("kvtier")
 # The GPU cache of selected host pages takes at most 1 / this of the pool, and is left out where
 # that is less than one budget of pages (a small pool keeps its pages for the sequences' own).
 HOT_POOL_SHARE = 4
@@ -125,10 +127,19 @@ class Engine:
         # takes the pool's last pages, which no sequence owns; the host tier grows by as many, so
         # the tiers hold as many tokens as planned
         hot = 0
-        if (config.retrieval.enabled and cc.host_kv_mib > 0 and self.device.type == "cuda"
-                and graph_capable(config.retrieval, spec.head_dim, self.device)):
-            hot = min(config.retrieval.cache_pages(cc.page_size), num_pages // HOT_POOL_SHARE)
-            hot = hot if hot >= config.retrieval.page_counts(cc.page_size)[2] else 0
+        asked = config.retrieval.cache_pages(cc.page_size)
+        if asked:
+            why = None
+            if cc.host_kv_mib <= 0 or self.device.type != "cuda":
+                why = "it needs a CUDA device and a host tier (--host-kv-mib)"
+            elif not graph_capable(config.retrieval, spec.head_dim, self.device):
+                why = f"selector {config.retrieval.selector} is not kernel-scored"
+            else:
+                hot = min(asked, num_pages // HOT_POOL_SHARE)
+                if hot < config.retrieval.page_counts(cc.page_size)[2]:
+                    hot, why = 0, (f"a quarter of the {num_pages}-page GPU pool is less than one budget of pages")
+            if why:
+                log.warning("--kvmem-gpu-cache ignored: %s", why)
         self.gpu_cache_pages = hot
         self.pool = PagePool(fmt, spec.num_layers, num_pages + (1 if graphs else 0), spec.num_kv_heads,
                              cc.page_size, spec.head_dim, self.device, compute_dtype=compute)

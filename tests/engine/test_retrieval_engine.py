@@ -126,3 +126,19 @@ def test_graph_formulation_host_tier_forced_equals_one_big_pool(graph_formulatio
     assert eng.manager.stats()["offloads"] > 0 and eng.runner.backend.pin_buf is not None
     backend = eng.runner.backend  # hybrid-mid keeps no key sums, in either tier
     assert (backend.summaries.ksum is None) == (backend.host_summaries.ksum is None) == (selector == "hybrid-mid")
+
+
+def test_gpu_cache_needs_cuda_and_says_so(caplog):
+    """--kvmem-gpu-cache is a CUDA feature (kernels/hot_pages.py): asked for on the CPU, the engine
+    reserves no pages, warns why, and the host tier keeps its planned size."""
+    model = tiny_model()
+    with caplog.at_level("WARNING", logger="kvtier"):
+        eng = engine(model, RetrievalConfig(budget=48, sink=4, window=16, gpu_cache=-1), num_pages=40,
+                     host_kv_mib=1)
+    assert eng.gpu_cache_pages == 0 and eng.runner.backend.hot is None
+    assert eng.manager.num_gpu_pages == 40
+    assert any("--kvmem-gpu-cache ignored" in r.message and "CUDA" in r.message for r in caplog.records)
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="kvtier"):
+        engine(model, RetrievalConfig(budget=48, sink=4, window=16), num_pages=40, host_kv_mib=1)
+    assert not caplog.records  # off by default: nothing to say
