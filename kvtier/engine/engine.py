@@ -100,6 +100,27 @@ HOT_POOL_SHARE = 4
 KV_DTYPE_FOR_COMPUTE = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 
 
+def gpu_cache_pages(config: EngineConfig, head_dim: int, device: torch.device, num_pages: int) -> int:
+    """Pool pages for retrieval's GPU cache of selected host pages: what --kvmem-gpu-cache asks, at
+    most 1 / HOT_POOL_SHARE of the pool; 0 (with a warning saying why, where it was asked for) where
+    it cannot run or would hold less than one budget."""
+    ret, cc = config.retrieval, config.cache
+    asked = ret.cache_pages(cc.page_size)
+    if not asked:
+        return 0
+    if cc.host_kv_mib <= 0 or device.type != "cuda":
+        why = "it needs a CUDA device and a host tier (--host-kv-mib)"
+    elif not graph_capable(ret, head_dim, device):
+        why = f"selector {ret.selector} is not kernel-scored"
+    else:
+        hot = min(asked, num_pages // HOT_POOL_SHARE)
+        if hot >= ret.page_counts(cc.page_size)[2]:
+            return hot
+        why = f"a quarter of the {num_pages}-page GPU pool is less than one budget of pages"
+    log.warning("--kvmem-gpu-cache ignored: %s", why)
+    return 0
+
+
 class Engine:
     def __init__(self, model: torch.nn.Module, tokenizer: Tokenizer | None, config: EngineConfig,
                  model_name: str = "model", max_model_len: int | None = None):
@@ -126,21 +147,7 @@ class Engine:
         # retrieval past the GPU pool: the GPU cache of selected host pages (kernels/hot_pages.py)
         # takes the pool's last pages, which no sequence owns; the host tier grows by as many, so
         # the tiers hold as many tokens as planned
-        hot = 0
-        asked = config.retrieval.cache_pages(cc.page_size)
-        if asked:
-            why = None
-            if cc.host_kv_mib <= 0 or self.device.type != "cuda":
-                why = "it needs a CUDA device and a host tier (--host-kv-mib)"
-            elif not graph_capable(config.retrieval, spec.head_dim, self.device):
-                why = f"selector {config.retrieval.selector} is not kernel-scored"
-            else:
-                hot = min(asked, num_pages // HOT_POOL_SHARE)
-                if hot < config.retrieval.page_counts(cc.page_size)[2]:
-                    hot, why = 0, (f"a quarter of the {num_pages}-page GPU pool is less than one budget of pages")
-            if why:
-                log.warning("--kvmem-gpu-cache ignored: %s", why)
-        self.gpu_cache_pages = hot
+        hot = self.gpu_cache_pages = gpu_cache_pages(config, spec.head_dim, self.device, num_pages)
         self.pool = PagePool(fmt, spec.num_layers, num_pages + (1 if graphs else 0), spec.num_kv_heads,
                              cc.page_size, spec.head_dim, self.device, compute_dtype=compute)
         host_pages = 0

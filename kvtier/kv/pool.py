@@ -10,13 +10,13 @@ format-agnostic: gather -> copy -> scatter per tensor.
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Sequence
 
 import torch
 
 from kvtier.kernels import cpu_ops, fused, kv_quant, kv_transform
 from kvtier.kv.formats import KVFormat
+from kvtier.kv.sinks import SinkSlots
 from kvtier.kv.transfer import PageTransfers
 
 # K smoothing: a channel's scale is at least this fraction of its head's median spread.
@@ -71,22 +71,13 @@ class PagePool:
         self.k_channel_scale: list[torch.Tensor | None] = [None] * num_layers
         # rows stored as they are (plain_pages): fixed by the format
         self._plain_format = not (fmt.quantized or fmt.smooth_k or fmt.rotate_k or fmt.rotate_v)
-        # Sink rows (quantized formats only): the K/V row at sequence position 0 (offset 0 of a
-        # sequence's first page) draws much of every layer's attention, and its quantization error
-        # dominated the measured KL (fp8 3.4e-3 -> 2.5e-3 with it exact; docs/benchmarks.md). It is
-        # stored quantized in its page as usual and, in `sink_slots` slots, exactly (compute dtype,
-        # K minus the shift, unscaled); readers pass which pages begin a sequence and get that row
-        # from the slot. A slot follows its page through copy_to; when all are taken the oldest
-        # assignment is reused (that page falls back to its quantized row 0: approximate, not wrong).
-        self.sink_slots = max(MIN_SINK_SLOTS, -(-num_pages // SINK_SLOT_RATIO)) if fmt.quantized else 0
-        sink_pin = pin and self.device.type == "cpu" and torch.cuda.is_available()
-        shape = (num_layers, self.sink_slots, kv_heads, head_dim)
-        self.sink_k = torch.zeros(shape, dtype=compute_dtype, device=self.device, pin_memory=sink_pin)
-        self.sink_v = torch.zeros(shape, dtype=compute_dtype, device=self.device, pin_memory=sink_pin)
-        # page -> slot; pinned with the rows, so the GPU kernels can read a host pool's table (kernel_alts)
-        self.sink_slot = torch.full((num_pages,), -1, dtype=torch.long, device=self.device, pin_memory=sink_pin)
-        self._sink_of_page: OrderedDict[int, int] = OrderedDict()  # host mirror, oldest assignment first
-        self._sink_free = list(range(self.sink_slots - 1, -1, -1))
+        # Sink rows (quantized formats only): exact position-0 rows beside their quantized pages,
+        # one slot per SINK_SLOT_RATIO pages (kv/sinks.py); sink_k / sink_v / sink_slot are its tensors
+        count = max(MIN_SINK_SLOTS, -(-num_pages // SINK_SLOT_RATIO)) if fmt.quantized else 0
+        self.sinks = SinkSlots(num_layers, num_pages, kv_heads, head_dim, count, compute_dtype, self.device,
+                               pin and self.device.type == "cpu" and torch.cuda.is_available())
+        self.sink_slots = count
+        self.sink_k, self.sink_v, self.sink_slot = self.sinks.k, self.sinks.v, self.sinks.slot
         self.transfers = PageTransfers(self)  # page copies out of this pool (kv/transfer.py)
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -233,43 +224,17 @@ class PagePool:
         return alts
 
     def assign_sinks(self, pages: Sequence[int]) -> torch.Tensor | None:
-        """Sink slots for pages whose row 0 is about to be written at sequence position 0.
-
-        -> [n] int64 slots on this device (None for formats without sink rows). A page keeps
-        its slot; else a free one, else the oldest assignment's (that page loses its sink row).
-        """
-        if not self.sink_slots or not pages:
-            return None
-        out, changed = [], {}
-        for p in pages:
-            s = self._sink_of_page.pop(p, None)
-            if s is None:
-                if self._sink_free:
-                    s = self._sink_free.pop()
-                else:
-                    old, s = self._sink_of_page.popitem(last=False)
-                    changed[old] = -1
-            self._sink_of_page[p] = s  # (re)inserted last: the newest assignment
-            changed[p] = s
-            out.append(s)
-        self._set_sink_slots(changed)
-        return torch.tensor(out, dtype=torch.long).to(self.device, non_blocking=True)
+        """Sink slots for pages whose row 0 is about to be written at sequence position 0
+        (SinkSlots.assign): [n] int64 on this device, None for formats without sink rows."""
+        return self.sinks.assign(pages)
 
     def clear_sinks(self, pages: Sequence[int]) -> None:
         """Pages whose row 0 is no longer a position-0 row kept exactly (copy_to targets)."""
-        changed = {}
-        for p in pages:
-            s = self._sink_of_page.pop(p, None)
-            if s is not None:
-                self._sink_free.append(s)
-                changed[p] = -1
-        self._set_sink_slots(changed)
+        self.sinks.clear(pages)
 
-    def _set_sink_slots(self, changed: dict[int, int]) -> None:
-        if changed:
-            pages = torch.tensor(list(changed), dtype=torch.long)
-            slots = torch.tensor(list(changed.values()), dtype=torch.long)
-            self.sink_slot.index_copy_(0, pages.to(self.device), slots.to(self.device))
+    def sink_pages(self) -> set[int]:
+        """Pages whose position-0 row is kept exactly now."""
+        return self.sinks.pages()
 
     def _apply_sinks(self, pool: PagePool, layer: int, k: torch.Tensor, v: torch.Tensor,
                      page_ids: torch.Tensor, starts: torch.Tensor | None) -> None:
@@ -425,14 +390,7 @@ class PagePool:
                     raise ValueError(f"layer {i} {name} is not the contiguous view of the pool storage")
         if self.bytes_total() != self.bytes_per_page() * self.num_pages:
             raise ValueError("bytes_total disagrees with bytes_per_page * num_pages")
-        want_slot = torch.full((self.num_pages,), -1, dtype=torch.long)
-        for page, slot in self._sink_of_page.items():
-            want_slot[page] = slot
-        slots = sorted(self._sink_of_page.values()) + self._sink_free
-        if sorted(slots) != list(range(self.sink_slots)):
-            raise ValueError("sink slots are not each either assigned to one page or free")
-        if not torch.equal(self.sink_slot.cpu(), want_slot):
-            raise ValueError("sink_slot disagrees with the sink assignments")
+        self.sinks.check()
 
     def compatible_with(self, other: PagePool) -> bool:
         return (self.fmt.name == other.fmt.name and self.num_layers == other.num_layers
@@ -455,17 +413,5 @@ class PagePool:
 
     def sink_moves(self, dst: PagePool, src_idx: torch.Tensor,
                    dst_idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """Sink slots that follow copied pages: (source slots, destination slots), or None.
-
-        Destination pages whose source has no sink row lose theirs.
-        """
-        if not dst.sink_slots:
-            return None
-        have = [(d, self._sink_of_page[s]) for s, d in zip(src_idx.tolist(), dst_idx.tolist())
-                if s in self._sink_of_page]
-        with_sink = {d for d, _ in have}
-        dst.clear_sinks([d for d in dst_idx.tolist() if d not in with_sink])
-        if not have:
-            return None
-        d_slots = dst.assign_sinks([d for d, _ in have])
-        return torch.tensor([s for _, s in have], dtype=torch.long), d_slots
+        """Sink slots that follow pages copied to `dst` (SinkSlots.moves), or None."""
+        return self.sinks.moves(dst.sinks, src_idx, dst_idx)

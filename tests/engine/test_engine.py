@@ -98,7 +98,7 @@ def test_quantized_kv_host_tier_and_hits_equal_one_big_pool(make_engine):
     ref = run(make_engine(kv_dtype="int8", max_batch=1), PROMPTS, greedy())
     eng = make_engine(kv_dtype="int8", num_pages=4, host_kv_mib=64, max_batch=1)
     assert run(eng, PROMPTS, greedy()) == ref
-    assert eng.host_pool._sink_of_page  # first pages went down with their sink rows
+    assert eng.host_pool.sink_pages()  # first pages went down with their sink rows
     assert run(eng, PROMPTS, greedy()) == ref
     assert eng.manager.stats()["hit_tokens_host"] > 0
     for check in (eng.manager.check_integrity, eng.pool.check_integrity, eng.host_pool.check_integrity):

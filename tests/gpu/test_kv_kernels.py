@@ -133,7 +133,7 @@ def test_cuda_attention_in_rotated_domain_and_host_sinks(name: str) -> None:
     host = PagePool(make_format(name), 1, 40, hkv, ps, d, "cpu", compute_dtype=torch.bfloat16, pin=True)
     pages = -(-n // ps)
     pool.copy_to(host, table[:pages], list(range(20, 20 + pages)))
-    assert set(host._sink_of_page) == {20}
+    assert host.sink_pages() == {20}
     first = torch.tensor([0], device="cuda")
     for native in (True, False):
         a = pool.read(0, torch.tensor(table[:pages], device="cuda"), first, native=native)

@@ -74,7 +74,7 @@ class PoolMachine(RuleBasedStateMachine):
             pool.check_integrity()
             for p in range(pool.num_pages):
                 assert all(torch.equal(x, y) for x, y in zip(snapshot(pool, p), self.want[name][p]))
-            assert set(pool._sink_of_page) == set(self.sinks[name]) or pool.sink_slots == 0
+            assert pool.sink_pages() == set(self.sinks[name]) or pool.sink_slots == 0
         # a page holding a sink row reads it back exactly as row 0 when read as a sequence's first page
         first = torch.tensor([0])
         for name, pool in (("gpu", self.gpu), ("host", self.host)):

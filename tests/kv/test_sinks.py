@@ -44,7 +44,7 @@ def test_attention_reads_position_zero_exactly(fmt: str) -> None:
     q = torch.randn(sum(lens), HQ, D, generator=g)
     meta = AttentionMetadata(qsl, lens, tables, slots, torch.tensor([0]))
     out = att.forward(0, q, torch.cat([k[:-1] for k in ks]), torch.cat([v[:-1] for v in vs]), meta)
-    assert set(pool._sink_of_page) == {5, 0}  # each sequence's first page
+    assert pool.sink_pages() == {5, 0}  # each sequence's first page
     shift = pool.k_shift[0]
     for b, (pt, n) in enumerate(zip(tables, lens)):
         k, v = history(pool, pt, n)
@@ -82,7 +82,7 @@ def test_sink_rows_follow_pages_between_tiers_and_slots_run_out() -> None:
             exact[page, layer] = (k[0] - gpu.k_shift[layer], v[0])
         gpu.check_integrity()
     # the oldest assignments were taken over: those pages read their quantized row 0
-    assert set(gpu._sink_of_page) == set(range(4, n))
+    assert gpu.sink_pages() == set(range(4, n))
     first = torch.tensor([0])
     for page in range(n):
         k, v = gpu.read(1, torch.tensor([page]), first)
@@ -91,13 +91,13 @@ def test_sink_rows_follow_pages_between_tiers_and_slots_run_out() -> None:
     # down to the host tier and back to other pages: the sink rows travel with them
     gpu.copy_to(host, [7, 2, 11], [0, 1, 2])
     host.check_integrity()
-    assert set(host._sink_of_page) == {0, 2}
+    assert host.sink_pages() == {0, 2}
     k, v = gpu.read_from(host, 0, torch.tensor([0, 2]), torch.tensor([0, 1]))
     assert same(k[:, :, 0], torch.stack([exact[7, 0][0], exact[11, 0][0]]))
     assert same(v[:, :, 0], torch.stack([exact[7, 0][1], exact[11, 0][1]]))
     host.copy_to(gpu, [0, 1], [12, 13])  # page 13 gets a page without a sink row: it loses its own
     gpu.check_integrity()
-    assert 12 in gpu._sink_of_page and 13 not in gpu._sink_of_page
+    assert 12 in gpu.sink_pages() and 13 not in gpu.sink_pages()
     assert same(gpu.read(0, torch.tensor([12]), first)[0][0, :, 0], exact[7, 0][0])
 
 
