@@ -1,6 +1,6 @@
 """GPU time of paged_decode per launch-parameter variant (CUDA-graph replay: no launch overhead).
 
-    python3 tools/sweep_paged.py [--default | --few | --splits | --parts | --stages]
+    python3 tools/sweep_paged.py [--default | --few | --splits | --parts | --stages | --prefetch]
 
 For each (warps, stages, tile bytes) variant and each format: B=1 at 32K and B=32 at 8K
 context (Hkv 8, Hq 32, D 128, scattered 16-token pages), 20 calls captured in one graph and
@@ -71,6 +71,8 @@ def main() -> None:
         return sweep_parts(pools, sms)
     if "--stages" in sys.argv:
         return sweep_stages(pools, sms)
+    if "--prefetch" in sys.argv:
+        return sweep_prefetch(pools, sms)
     if "--default" in sys.argv:
         variants = [base]
     elif "--few" in sys.argv:  # the default and longer tiles (what the code formats may want)
@@ -108,6 +110,18 @@ def sweep_stages(pools: dict, sms: int) -> None:
         row = [case_row(name, pool, 1, ctx, sms) for name, pool in pools.items() for ctx in (32768, 4096)]
         print(f"stages {stages}:\n   " + "\n   ".join(row), flush=True)
     pa.DECODE_STAGES = base
+
+
+def sweep_prefetch(pools: dict, sms: int) -> None:
+    """--prefetch: every format at one stage, the next tile's page ids loaded ahead or not
+    (paged_attention.PREFETCH_AT_ONE_STAGE), B = 1 at 32K and 4K."""
+    base, stages = pa.PREFETCH_AT_ONE_STAGE, dict(pa.DECODE_STAGES)
+    pa.DECODE_STAGES = {name: 1 for name in pools}
+    for on in (False, True):
+        pa.PREFETCH_AT_ONE_STAGE = on
+        row = [case_row(name, pool, 1, ctx, sms) for name, pool in pools.items() for ctx in (32768, 4096)]
+        print(f"one stage, ids prefetched {on}:\n   " + "\n   ".join(row), flush=True)
+    pa.PREFETCH_AT_ONE_STAGE, pa.DECODE_STAGES = base, stages
 
 
 def sweep_splits(pools: dict, sms: int) -> None:

@@ -115,6 +115,10 @@ PARTS_DECODE = True
 # B = 1, us a call at 32K / 4K (tools/sweep_paged.py --stages): k8v4 (int8 K, int4 V) 2 stages
 # 58.4 / 11.9, 1 stage 47.6 / 12.1; int8 and int4 pages were fastest at the default 2.
 DECODE_STAGES = {"k8v4": 1}
+# At one stage (no software pipelining) the split kernel loads the next tile's page ids under the
+# current tile (PREFETCH_IDS): offline sm_90 build, k8v4, 744 -> 813 loop instructions, 128
+# registers; untimed on a GPU when written (`tools/sweep_paged.py --prefetch` compares).
+PREFETCH_AT_ONE_STAGE = True
 
 # The kernels' alternate-source offsets (AltPages): never specialised on value.
 ALT_ARGS = ("ad_k", "ad_ks", "ad_v", "ad_vs", "ad_sk", "ad_sv", "ad_slot")
@@ -561,7 +565,8 @@ def split_constants(fmt: KVFormat, head_dim: int, page_size: int, gqa: int, dtyp
                     INV_SQRT_D=inv_sqrt_f32(head_dim))
     return dict(S=page_size, D=head_dim, G_PAD=max(MIN_DOT_ROWS, _pow2(gqa)), PAGES=pages,
                 HAS_SINK=has_sink, SINGLE=single, SELECTED=selected, SEL_VALID=sel_valid, ALT=alt, **fold,
-                V_PARTS=code_parts(fmt.v_codec, head_dim, dtype), PREFETCH_IDS=decode_stages(fmt) == 1,
+                V_PARTS=code_parts(fmt.v_codec, head_dim, dtype),
+                PREFETCH_IDS=PREFETCH_AT_ONE_STAGE and decode_stages(fmt) == 1,
                 **_codec_constants(fmt, head_dim, dtype))
 
 
