@@ -5,7 +5,8 @@
 Each case is PROMPT:MAX_MODEL_LEN[:eager]: an engine with that max_model_len (the retrieval graph's
 table width), a `--gpu-kv-mib` pool (1432 MiB: what the plan gives 8B-int4 under 12 GiB) and a host
 tier, one prompt prefilled; then synced and unsynced decode step times, the step's kernels under
-torch.profiler (us a step, calls a step, us a call), its CPU ops, and a cProfile of six steps. An
+torch.profiler (us a step, calls a step, us a call), and with --host-side its CPU ops and a
+cProfile of six steps. An
 `eager` case also reports how many of each (layer 5 / 20, kv head) selection's pages the previous
 step chose too (whether a GPU cache of selected host pages would hit).
 """
@@ -50,6 +51,8 @@ def main() -> None:
     p.add_argument("--host-kv-mib", type=int, default=8000)
     p.add_argument("--budget", type=int, default=2048)
     p.add_argument("--selector", default="hybrid", help="a config.SELECTORS name")
+    p.add_argument("--host-side", action="store_true",
+                   help="also the step's CPU ops (torch.profiler) and a cProfile of six steps")
     a = p.parse_args()
     _, net = random_model(a.shape, torch.bfloat16, torch.device("cuda"))
     for case in a.cases.split(","):
@@ -99,8 +102,9 @@ def main() -> None:
         total, rows = kernel_table(prof, 4, rows=16)
         print(f"   GPU kernel time {total / 1e3:.3f} ms/step")
         print("\n".join(rows))
-        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=10))
-        print(cprofile_steps(eng, 6, 22)[-4500:])
+        if a.host_side:  # long: a device script that keeps only its tail loses the kernel table
+            print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=10))
+            print(cprofile_steps(eng, 6, 22)[-4500:])
         del eng
         gc.collect()
         torch.cuda.empty_cache()
