@@ -50,6 +50,8 @@ from kvtier.layers.retrieval import GRAPH_SELECTORS, graph_capable
 from kvtier.models.decoder import compute_dtype
 from kvtier.models.tokenizer import IncrementalDetokenizer, Tokenizer
 
+log = logging.getLogger("kvtier")
+
 # KV budget when nothing else is said: CPU RAM is plentiful, GPU memory is planned.
 DEFAULT_CPU_KV_MIB = 1024
 # Share of free GPU memory given to the KV pool when no size is set.
@@ -92,7 +94,6 @@ class _NoDetok:
     def flush(self) -> str:
         return ""
 
-log = logging.getLogger("kvtier")
 # The GPU cache of selected host pages takes at most 1 / this of the pool, and is left out where
 # that is less than one budget of pages (a small pool keeps its pages for the sequences' own).
 HOT_POOL_SHARE = 4

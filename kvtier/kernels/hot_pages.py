@@ -36,9 +36,11 @@ interpreter runs), beside the kernel.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
-from kvtier.kernels.paged_attention import HAVE_TRITON, AltPages, alt_offsets
+from kvtier.kernels.paged_attention import HAVE_TRITON, AltPages, _pow2, alt_offsets
 
 # The pool tensors a page holds, in kernel argument order (formats without scales have k, v only).
 TENSORS = ("k", "k_scale", "v", "v_scale")
@@ -103,16 +105,15 @@ if HAVE_TRITON:
         tl.store(out_ptr + e, out)
 
 
-def _pow2(n: int) -> int:
-    return 1 << max(0, n - 1).bit_length()
-
-
-def _row_elements(t: torch.Tensor) -> int:
-    """Elements of one row (one token of one head) of a [P, Hkv, S, ...] pool tensor."""
-    n = 1
-    for d in t.shape[3:]:
-        n *= d
-    return n
+def launch_constants(st: dict[str, torch.Tensor]) -> dict[str, int]:
+    """The lookup kernel's constexprs for one pool layer `st`: S, and per TENSORS entry i the
+    elements of a row (RE_i, 0 where the format has no such tensor) and a power of two >= S * RE_i."""
+    const = {"S": st["k"].shape[2]}
+    for i, name in enumerate(TENSORS):
+        t = st.get(name)
+        re = math.prod(t.shape[3:]) if t is not None else 0
+        const[f"RE{i}"], const[f"BLK{i}"] = re, _pow2(const["S"] * max(re, 1))
+    return const
 
 
 class HotPages:
@@ -133,6 +134,8 @@ class HotPages:
         self.base = torch.zeros((num_layers, kv_heads), dtype=torch.int64, device=dev)
         # per (layer, kv head): host entries looked up, hits, pages brought up
         self.stats = torch.zeros((num_layers, kv_heads, 3), dtype=torch.int64, device=dev)
+        # per layer: (tensors, their distances from the host pages, constexprs), fixed with the pools
+        self._launch: dict[int, tuple[list[torch.Tensor], list[int], dict[str, int]]] = {}
 
     def begin_step(self) -> None:
         """Once a step before its lookups: each ring's window moves past last step's claims (the
@@ -163,19 +166,21 @@ class HotPages:
             return out
         if not HAVE_TRITON:
             raise RuntimeError("HotPages.lookup needs Triton; use hot_lookup_reference")
-        ad = alt_offsets(st, None, alt)
-        args, ads, const = [], [], {"S": st["k"].shape[2]}
-        for i, (name, arg) in enumerate(zip(TENSORS, ("ad_k", "ad_ks", "ad_v", "ad_vs"))):
-            t = st.get(name)
-            args.append(t if t is not None else st["k"])
-            ads.append(ad[arg] if t is not None else 0)
-            re = _row_elements(t) if t is not None else 0
-            const[f"RE{i}"], const[f"BLK{i}"] = re, _pow2(const["S"] * max(re, 1))
+        args, ads, const = self._launch.get(layer) or self._launch_args(layer, st, alt)
         _hot_kernel[(ids.numel(),)](ids, page_idx.contiguous(), out, self.map[layer], self.owner[layer],
                                     self.claim[layer], self.base[layer], self.stats[layer], *args, *ads,
                                     ids.shape[1], ids.shape[2], self.num_host, self.first, self.num_slots,
                                     self.quota, **const, num_warps=2)
         return out
+
+    def _launch_args(self, layer: int, st: dict[str, torch.Tensor],
+                     alt: AltPages) -> tuple[list[torch.Tensor], list[int], dict[str, int]]:
+        ad = alt_offsets(st, None, alt)
+        names = zip(TENSORS, ("ad_k", "ad_ks", "ad_v", "ad_vs"))
+        args = [st.get(name, st["k"]) for name in TENSORS]  # absent tensors: placeholders never read
+        ads = [ad[arg] if name in st else 0 for name, arg in names]
+        self._launch[layer] = args, ads, launch_constants(st)
+        return self._launch[layer]
 
 
 def hot_lookup_reference(hot: HotPages, layer: int, st: dict[str, torch.Tensor], alt: AltPages,

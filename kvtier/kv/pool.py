@@ -72,13 +72,31 @@ class PagePool:
         # rows stored as they are (plain_pages): fixed by the format
         self._plain_format = not (fmt.quantized or fmt.smooth_k or fmt.rotate_k or fmt.rotate_v)
         # Sink rows (quantized formats only): exact position-0 rows beside their quantized pages,
-        # one slot per SINK_SLOT_RATIO pages (kv/sinks.py); sink_k / sink_v / sink_slot are its tensors
+        # one slot per SINK_SLOT_RATIO pages (kv/sinks.py)
         count = max(MIN_SINK_SLOTS, -(-num_pages // SINK_SLOT_RATIO)) if fmt.quantized else 0
         self.sinks = SinkSlots(num_layers, num_pages, kv_heads, head_dim, count, compute_dtype, self.device,
                                pin and self.device.type == "cpu" and torch.cuda.is_available())
-        self.sink_slots = count
-        self.sink_k, self.sink_v, self.sink_slot = self.sinks.k, self.sinks.v, self.sinks.slot
         self.transfers = PageTransfers(self)  # page copies out of this pool (kv/transfer.py)
+
+    @property
+    def sink_slots(self) -> int:
+        """Slots of exact position-0 rows (0: a format without them)."""
+        return self.sinks.count
+
+    @property
+    def sink_k(self) -> torch.Tensor:
+        """[L, sink_slots, Hkv, D] exact position-0 K rows (SinkSlots.k)."""
+        return self.sinks.k
+
+    @property
+    def sink_v(self) -> torch.Tensor:
+        """[L, sink_slots, Hkv, D] exact position-0 V rows (SinkSlots.v)."""
+        return self.sinks.v
+
+    @property
+    def sink_slot(self) -> torch.Tensor:
+        """[num_pages] int64 page -> sink slot, -1 for none (SinkSlots.slot)."""
+        return self.sinks.slot
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
               sink: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
@@ -410,8 +428,3 @@ class PagePool:
     def transfer_stats(self) -> dict[str, float]:
         """Bytes, seconds and GB/s of the page copies out of this pool (`copy_to`)."""
         return self.transfers.stats()
-
-    def sink_moves(self, dst: PagePool, src_idx: torch.Tensor,
-                   dst_idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """Sink slots that follow pages copied to `dst` (SinkSlots.moves), or None."""
-        return self.sinks.moves(dst.sinks, src_idx, dst_idx)

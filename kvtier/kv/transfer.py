@@ -2,7 +2,7 @@
 
 Pools of one format and page geometry (a GPU pool and its pinned host tier, or two pools of one
 device) move whole pages: every layer's tensors of the format's layout, and the sink rows that
-follow their pages (`PagePool.sink_moves`). Two paths:
+follow their pages (kv/sinks.py `SinkSlots.moves`). Two paths:
 
     GPU <-> pinned host (or within one GPU):  the page-copy kernel (kernels/page_copy.py), one
         launch per layout tensor for all layers, the GPU reading or writing the host pages in place;
@@ -109,7 +109,7 @@ class PageTransfers:
             else:
                 dst_t.index_copy_(dim, di, staged.to(dst.device, non_blocking=non_blocking))
 
-        sinks = src.sink_moves(dst, src_idx, dst_idx)
+        sinks = src.sinks.moves(dst.sinks, src_idx, dst_idx)
         if self.kernel_copy(dst):  # one launch per tensor for all layers, host side zero-copy
             from kvtier.kernels import page_copy
             for name, src_t in src.storage.items():

@@ -147,7 +147,7 @@ class RetrievalAttention:
                                                  self.summaries.sums)
         self.host_cache = HostPageCache(st.num_layers, FETCH_CACHE_BUDGETS * self.budget_pages)
         self.hot = None
-        if self.host_alts is not None and self.hot_range is not None and self.hot_range[1] >= 2:
+        if self.host_alts is not None and self.hot_range is not None:
             first, count = self.hot_range
             if first + count > st.num_pages:
                 raise ValueError(f"GPU cache pages {first}..{first + count - 1} lie past the pool's {st.num_pages}")

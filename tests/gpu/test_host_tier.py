@@ -34,11 +34,11 @@ LENGTHS = (300, 41, 213)  # two longer than the small pool (10 pages = 160 token
 GEN = 20
 
 
-def random_model(dtype: torch.dtype) -> Decoder:
-    """SPEC with seeded random weights on CUDA, in `dtype`."""
+def random_model(dtype: torch.dtype, spec: ModelSpec = SPEC) -> Decoder:
+    """`spec` with seeded random weights on CUDA, in `dtype`."""
     g = torch.Generator().manual_seed(0)
-    tensors = {n: torch.randn(s, generator=g) * 0.2 for n, s in expected_shapes(SPEC).items()}
-    return Decoder.from_tensors(SPEC, tensors, dtype, "cuda")
+    tensors = {n: torch.randn(s, generator=g) * 0.2 for n, s in expected_shapes(spec).items()}
+    return Decoder.from_tensors(spec, tensors, dtype, "cuda")
 
 
 @pytest.fixture(scope="module")

@@ -26,7 +26,6 @@ if str(REPO) not in sys.path:
 from kvtier.config import ModelSpec, RetrievalConfig  # noqa: E402
 from kvtier.engine.engine import Engine  # noqa: E402
 from kvtier.models.decoder import Decoder  # noqa: E402
-from kvtier.models.registry import expected_shapes  # noqa: E402
 from tests.gpu import test_host_tier as host_tier  # noqa: E402
 from tests.layers import hot_pages_cases  # noqa: E402
 
@@ -50,9 +49,7 @@ CACHE = 512  # tokens: 32 pages, a quarter of the small pool (HOT_POOL_SHARE)
 
 @pytest.fixture(scope="module")
 def model() -> Decoder:
-    g = torch.Generator().manual_seed(0)
-    tensors = {n: torch.randn(s, generator=g) * 0.2 for n, s in expected_shapes(SPEC).items()}
-    return Decoder.from_tensors(SPEC, tensors, torch.float32, "cuda")
+    return host_tier.random_model(torch.float32, SPEC)
 
 
 def run(model: Decoder, kv: str, num_pages: int, host_kv_mib: int = 0, gpu_cache: int = CACHE,

@@ -122,18 +122,9 @@ def test_hot_pages_kernel_compiles(name: str) -> None:
     """The GPU cache's lookup (atomics and copies under scalar branches) for plain and coded pages."""
     pytest.importorskip("triton")
     import kvtier.kernels.hot_pages as hp
+    from kvtier.kv.pool import PagePool
     pg = _pages(name)
-    fmt = make_format(name)
-    lay = fmt.layout(8, 16, 128)
-    const = {"S": 16}
-    for i, key in enumerate(hp.TENSORS):
-        re = 0
-        if key in lay:
-            shape = lay[key][0]
-            re = 1
-            for d in shape[2:]:  # [Hkv, S, ...] per page
-                re *= d
-        const[f"RE{i}"], const[f"BLK{i}"] = re, hp._pow2(16 * max(re, 1))
+    const = hp.launch_constants(PagePool(make_format(name), 1, 1, 8, 16, 128, "cpu").layers[0])
     ptrs = {"ids_ptr": "*i64", "idx_ptr": "*i64", "out_ptr": "*i64", "map_ptr": "*i32", "owner_ptr": "*i32",
             "claim_ptr": "*i64", "base_ptr": "*i64", "stats_ptr": "*i64", "t0": pg["k"], "t1": pg["ks"],
             "t2": pg["v"], "t3": pg["vs"]}
