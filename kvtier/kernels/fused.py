@@ -45,13 +45,15 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kvtier.kernels import cpu_ops
+from kvtier.kernels import cpu_ops, pdl
 from kvtier.layers.rotary import apply_rotary
 
 try:
     import triton
     import triton.language as tl
     from triton.language.extra import libdevice
+
+    from kvtier.kernels.pdl import wait_before_reads
     HAVE_TRITON = True
 except ImportError:  # CPU-only installs: callers take the reference paths
     HAVE_TRITON = False
@@ -180,8 +182,9 @@ if HAVE_TRITON:
 
     @triton.jit
     def _rms_norm_kernel(x_ptr, w_ptr, y_ptr, x_row_stride, eps, inv_h,
-                         H: tl.constexpr, BLOCK: tl.constexpr):
+                         H: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
         """Program t: y[t] = round(w * round(x[t] * rstd)), rstd = rsqrt(sum(x^2) / H + eps)."""
+        wait_before_reads(PDL)  # kernels/pdl.py
         dtype = y_ptr.dtype.element_ty
         row = tl.program_id(0).to(tl.int64)
         x_row = x_ptr + row * x_row_stride
@@ -238,12 +241,13 @@ if HAVE_TRITON:
 
     @triton.jit
     def _silu_mul_kernel(gu_ptr, out_ptr, gu_row_stride, inter, BLOCK: tl.constexpr,
-                         EXACT_MATH: tl.constexpr):
+                         EXACT_MATH: tl.constexpr, PDL: tl.constexpr = False):
         """Program (t, b): columns [b * BLOCK, (b + 1) * BLOCK) of row t.
 
         EXACT_MATH: libdevice's expf (torch's CUDA silu calls expf) instead of Triton's
         ex2.approx-based exp; the interpreter has no libdevice and uses numpy's exp.
         """
+        wait_before_reads(PDL)  # kernels/pdl.py
         dtype = out_ptr.dtype.element_ty
         row = tl.program_id(0).to(tl.int64)
         offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -282,7 +286,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return y
     block = min(triton.next_power_of_2(h), NORM_BLOCK)
     _rms_norm_kernel[(rows.shape[0],)](rows, weight.contiguous(), y, rows.stride(0), eps, 1.0 / h,
-                                       H=h, BLOCK=block, num_warps=_warps(block), enable_fp_fusion=FP_FUSION)
+                                       H=h, BLOCK=block, num_warps=_warps(block), enable_fp_fusion=FP_FUSION,
+                                       **pdl.launch_args(x.device))
     return y
 
 
@@ -356,5 +361,6 @@ def silu_mul(gu: torch.Tensor) -> torch.Tensor:
         return out
     _silu_mul_kernel[(t, triton.cdiv(inter, SILU_BLOCK))](gu, out, gu.stride(0), inter, BLOCK=SILU_BLOCK,
                                                           EXACT_MATH=not _interpreting(),
-                                                          num_warps=_warps(SILU_BLOCK), enable_fp_fusion=FP_FUSION)
+                                                          num_warps=_warps(SILU_BLOCK), enable_fp_fusion=FP_FUSION,
+                                                          **pdl.launch_args(gu.device))
     return out

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import torch
 
+from kvtier.kernels import pdl
 from kvtier.kernels.fused import FP_FUSION, QKRope
 from kvtier.kv.formats import (FP8_E4M3_MAX, INT4_BIAS, INT4_MAX, INT8_MAX, MIN_SCALE, Codec, Fp8Codec,
                                Int4Codec, Int8Codec, KVFormat, PlainCodec, inv_sqrt_f32)
@@ -33,6 +34,7 @@ try:
 
     from kvtier.kernels.fused import round_as
     from kvtier.kernels.hadamard import fwht
+    from kvtier.kernels.pdl import wait_before_reads
     HAVE_TRITON = True
 except ImportError:  # CPU-only installs: the pool's reference path is used
     HAVE_TRITON = False
@@ -192,10 +194,12 @@ if HAVE_TRITON:
                            INV_SQRT_D: tl.constexpr, HAS_NORM: tl.constexpr, K_MODE: tl.constexpr,
                            K_GROUP: tl.constexpr, K_QMAX: tl.constexpr, K_SMOOTH: tl.constexpr,
                            K_ROTATE: tl.constexpr, V_MODE: tl.constexpr, V_GROUP: tl.constexpr,
-                           V_QMAX: tl.constexpr, V_ROTATE: tl.constexpr, BIAS: tl.constexpr, MIN_S: tl.constexpr):
+                           V_QMAX: tl.constexpr, V_ROTATE: tl.constexpr, BIAS: tl.constexpr, MIN_S: tl.constexpr,
+                           PDL: tl.constexpr = False):
         """BLOCK_T rows of head h of qkv [T, (HQ + 2 HKV) * D]: h < HQ a q head (norm + rotary -> q);
         h < HQ + HKV a k head (norm + rotary -> k, and smoothed, rotated, encoded into the pages);
-        else a v head (rotated, encoded into the pages)."""
+        else a v head (rotated, encoded into the pages). PDL: kernels/pdl.py."""
+        wait_before_reads(PDL)
         dtype = q_ptr.dtype.element_ty
         h = tl.program_id(1)
         t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -321,5 +325,5 @@ def rope_store(fmt: KVFormat, st: dict[str, torch.Tensor], slots: torch.Tensor, 
         rope.eps, 1.0 / d, t, st["k"].shape[2], HQ=hq, HKV=hkv, HAS_NORM=has_norm,
         K_SMOOTH=SMOOTH_K if smooth is not None else SMOOTH_NONE, K_ROTATE=fmt.rotate_k, V_ROTATE=fmt.rotate_v,
         BIAS=float(INT4_BIAS), MIN_S=MIN_SCALE, **_codec_args("K", fmt.k_codec, d),
-        **_codec_args("V", fmt.v_codec, d), enable_fp_fusion=FP_FUSION, **args)
+        **_codec_args("V", fmt.v_codec, d), enable_fp_fusion=FP_FUSION, **args, **pdl.launch_args(qkv.device))
     return q, k, v

@@ -49,6 +49,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvtier.kernels import pdl
 from kvtier.kv.formats import (INT4_BIAS, Codec, Fp8Codec, Int4Codec, Int8Codec, KVFormat, PlainCodec,
                                inv_sqrt_f32)
 
@@ -57,6 +58,7 @@ try:
     import triton.language as tl
 
     from kvtier.kernels.hadamard import fwht
+    from kvtier.kernels.pdl import wait_before_reads
     HAVE_TRITON = True
 except ImportError:  # CPU-only installs: only the reference and the heuristic are usable
     HAVE_TRITON = False
@@ -118,7 +120,7 @@ DECODE_STAGES = {"k8v4": 1}
 # At one stage (no software pipelining) the split kernel loads the next tile's page ids under the
 # current tile (PREFETCH_IDS): offline sm_90 build, k8v4, 744 -> 813 loop instructions, 128
 # registers; untimed on a GPU when written (`tools/sweep_paged.py --prefetch` compares).
-PREFETCH_AT_ONE_STAGE = True
+PREFETCH_AT_ONE_STAGE = False
 
 # The kernels' alternate-source offsets (AltPages): never specialised on value.
 ALT_ARGS = ("ad_k", "ad_ks", "ad_v", "ad_vs", "ad_sk", "ad_sv", "ad_slot")
@@ -369,7 +371,7 @@ if HAVE_TRITON:
                       SINGLE: tl.constexpr, DOT_PREC: tl.constexpr, Q_SMOOTH: tl.constexpr,
                       Q_ROTATE: tl.constexpr, INV_SQRT_D: tl.constexpr, SELECTED: tl.constexpr,
                       SEL_VALID: tl.constexpr, ALT: tl.constexpr, V_PARTS: tl.constexpr = 1,
-                      PREFETCH_IDS: tl.constexpr = False):
+                      PREFETCH_IDS: tl.constexpr = False, PDL: tl.constexpr = False):
         """One (sequence b, kv head h, split sp): softmax partial of the G query heads of h.
 
         SELECTED (retrieval_attention.paged_decode_selected): row b's kv head h reads its own
@@ -384,7 +386,9 @@ if HAVE_TRITON:
         word's four bytes (`_int8_parts`), one tl.dot and one accumulator a set, joined after the loop.
         PREFETCH_IDS (formats run with one pipeline stage, `decode_stages`): each iteration loads the
         next tile's page ids before its own tile's codes, so the codes' loads never wait on an id load.
+        PDL: launched with programmatic dependent launch (kernels/pdl.py).
         """
+        wait_before_reads(PDL)
         b = tl.program_id(0)
         h = tl.program_id(1)
         sp = tl.program_id(2)
@@ -489,9 +493,11 @@ if HAVE_TRITON:
 
     @triton.jit(do_not_specialize=["Hq", "num_splits"])
     def _merge_kernel(part_ptr, lse_ptr, out_ptr, stride_ob, stride_oh, Hq, num_splits, D: tl.constexpr,
-                      CHUNK: tl.constexpr, ROTATE: tl.constexpr = False, INV_SQRT_D: tl.constexpr = 1.0):
+                      CHUNK: tl.constexpr, ROTATE: tl.constexpr = False, INV_SQRT_D: tl.constexpr = 1.0,
+                      PDL: tl.constexpr = False):
         """One (sequence, query head): out = sum_s exp2(lse_s - lse) * part_s (all -inf: zeros);
         ROTATE: times R (PagePool.native_out; kernels/hadamard.py's transform, 1 / sqrt(D) = INV_SQRT_D)."""
+        wait_before_reads(PDL)
         b = tl.program_id(0)
         hq = tl.program_id(1)
         base = (b * Hq + hq) * num_splits
@@ -787,6 +793,7 @@ def launch_decode(q: torch.Tensor, st: dict[str, torch.Tensor], fmt: KVFormat, t
     if lists is not None:
         idx, n_sel = lists.page_idx, table.shape[-1]
         ok = lists.valid if lists.valid is not None else table
+    launch = pdl.launch_args(q.device)
     _split_kernel[(bsz, hkv, num_splits)](
         q, st["k"], st.get("k_scale", st["k"]), st["v"], st.get("v_scale", st["v"]), table, lens, idx, ok,
         sk.contiguous(), sv.contiguous(), slot, dst, lse, cs, scale * LOG2E,
@@ -795,12 +802,12 @@ def launch_decode(q: torch.Tensor, st: dict[str, torch.Tensor], fmt: KVFormat, t
         **split_constants(fmt, d, s, hq // hkv, q.dtype, sink is not None, single, num_splits, native,
                           selected=lists is not None, sel_valid=lists is not None and lists.valid is not None,
                           alt=alt is not None),
-        num_warps=NUM_WARPS, num_stages=decode_stages(fmt))
+        num_warps=NUM_WARPS, num_stages=decode_stages(fmt), **launch)
     merge_rotates = rotate_out and native is not None and not single
     if not single:
         _merge_kernel[(bsz, hq)](dst, lse, out, out.stride(0), out.stride(1), hq, num_splits, D=d,
                                  CHUNK=MERGE_CHUNK, ROTATE=merge_rotates, INV_SQRT_D=inv_sqrt_f32(d),
-                                 num_warps=NUM_WARPS)
+                                 num_warps=NUM_WARPS, **launch)
     if rotate_out and not merge_rotates:  # one split (it wrote the output itself) or long splits
         from kvtier.kernels.kv_transform import transform_rows
         out.copy_(transform_rows(out, True))

@@ -32,6 +32,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from kvtier.kernels.pdl import wait_before_reads
+
 # x is scaled by 2^-XSHIFT before it becomes fp16 (exact), so that a chunk's fp16 sum stays
 # finite: 32 products of |c - 8| <= 8 (4-bit, 2^-5) or 16 of |c| <= 128 (8-bit, 2^-8) overflow only
 # past |x| ~ 8k with every product aligned and maximal; x below 2^(XSHIFT - 14) turns subnormal
@@ -236,8 +238,10 @@ def _gemv_kernel(x_ptr, q_ptr, s_ptr, mn_ptr, b_ptr, r_ptr, y_ptr, p_ptr, M, N, 
                  BITS: tl.constexpr, GROUP: tl.constexpr, HAS_MINS: tl.constexpr, HAS_BIAS: tl.constexpr,
                  HAS_RES: tl.constexpr, BLOCK_N: tl.constexpr, ROWS: tl.constexpr, LANES: tl.constexpr,
                  CPT: tl.constexpr, PARTIAL: tl.constexpr, PREFETCH: tl.constexpr, ASM: tl.constexpr,
-                 DOT_PREC: tl.constexpr, VEC_X: tl.constexpr = False):
-    """Program (x row, row block, K slice): module docstring. q_ptr: the codes as int32 words."""
+                 DOT_PREC: tl.constexpr, VEC_X: tl.constexpr = False, PDL: tl.constexpr = False):
+    """Program (x row, row block, K slice): module docstring. q_ptr: the codes as int32 words.
+    PDL (launched with programmatic dependent launch): the first rows' codes, scales and mins are
+    loaded before waiting for the kernel before (the weights are no output of it), then x."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -250,12 +254,6 @@ def _gemv_kernel(x_ptr, q_ptr, s_ptr, mn_ptr, b_ptr, r_ptr, y_ptr, p_ptr, M, N, 
     c3 = tl.arange(0, CPT)[:, None, None] * LANES + tl.arange(0, LANES)[None, None, :]  # [CPT, 1, LANES]
     c4 = c3[:, :, :, None]
     col = k_lo + c4 * CH + tl.arange(0, 4)[None, None, None, :] * CPW  # first column of each word
-    x1 = x_ptr + pid_m.to(tl.int64) * stride_xm
-    if VEC_X:
-        xa, xb, xc, xd, xsum = _x_pairs_vec(x1, col, CPW, ROWS, XSCALE, ASM)
-    else:
-        xa, xb, xc, xd = _x_pairs(x1, col, CPW, XSCALE, ASM)
-        xsum = tl.sum(tl.load(x1 + k_lo + c4 * CH + tl.arange(0, CH)[None, None, None, :]).to(tl.float32), axis=3)
     WPR = K // CPW
     GPR = K // GROUP
     woff = k_lo // CPW + c3 * 4
@@ -263,6 +261,13 @@ def _gemv_kernel(x_ptr, q_ptr, s_ptr, mn_ptr, b_ptr, r_ptr, y_ptr, p_ptr, M, N, 
     row_lo = pid_n * BLOCK_N
     row_last = row_lo + BLOCK_N - ROWS
     w, sc, mn = _gemv_rows(q_ptr, s_ptr, mn_ptr, row_lo, N, WPR, GPR, woff, goff, ROWS, HAS_MINS)
+    wait_before_reads(PDL)  # x, the residual, the outputs: after the kernel before (kernels/pdl.py)
+    x1 = x_ptr + pid_m.to(tl.int64) * stride_xm
+    if VEC_X:
+        xa, xb, xc, xd, xsum = _x_pairs_vec(x1, col, CPW, ROWS, XSCALE, ASM)
+    else:
+        xa, xb, xc, xd = _x_pairs(x1, col, CPW, XSCALE, ASM)
+        xsum = tl.sum(tl.load(x1 + k_lo + c4 * CH + tl.arange(0, CH)[None, None, None, :]).to(tl.float32), axis=3)
     for r0 in range(row_lo, row_lo + BLOCK_N, ROWS):
         if PREFETCH:  # the next rows' loads in flight during this step's math (the last re-reads itself)
             w_c, sc_c, mn_c = w, sc, mn

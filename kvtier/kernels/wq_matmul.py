@@ -77,11 +77,13 @@ from dataclasses import dataclass
 
 import torch
 
+from kvtier.kernels import pdl
 from kvtier.layers.qweight import QuantWeight
 
 try:
     import triton
     import triton.language as tl
+    from kvtier.kernels.pdl import wait_before_reads
     from kvtier.kernels.wq_kernels import _epilogue, _gemv_kernel
     HAVE_TRITON = True
 except ImportError:  # CPU-only installs: the reference path only
@@ -191,6 +193,13 @@ class GemvConfig:
     # The 8-bit kernel lost with it: the same layers at 8 bits 100.4 -> 102.9 us (70% -> 68%), so
     # None (the default) means on for 4-bit weights and off for 8-bit ones.
     vector_x: bool | None = None
+    # Programmatic dependent launch (kernels/pdl.py): a program loads its first rows' codes before
+    # waiting for the kernel before it, whose tail it overlaps. H100, 36 Qwen3-8B layers of norm,
+    # GEMVs and SiLU in one graph (tools/scratch pdl_gemv), M = 1: 4-bit 2,629 -> 2,422 us with the
+    # chain's kernels launched so; 8-bit 3,914 -> 4,462 us (and the int8 engine 214.6 -> 189.6 tok/s),
+    # 3,970 with every kernel but the GEMV launched so. None (the default): pdl.ENABLED for 4-bit
+    # weights, off for 8-bit ones.
+    pdl: bool | None = None
 
 
 # Defaults by regime (to be replaced by the sweep's winners, tools/sweep_wq.py).
@@ -479,8 +488,9 @@ if HAVE_TRITON:
 
     @triton.jit(do_not_specialize=["M", "splits"])
     def _reduce_kernel(p_ptr, b_ptr, r_ptr, y_ptr, M, N, splits, stride_rm, HAS_BIAS: tl.constexpr,
-                       HAS_RES: tl.constexpr, BLOCK: tl.constexpr):
+                       HAS_RES: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
         """Program (m, n block): y[m, n] = epilogue(sum over splits s in order of partial[s, m, n])."""
+        wait_before_reads(PDL)
         m = tl.program_id(0)
         n = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         mask = n < N
@@ -683,15 +693,16 @@ def wq_gemv(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None = None,
     x, mins, b, r, stride_rm = _operands(x, w, y, bias, residual)
     part = torch.empty((split, mrows, n), dtype=torch.float32, device=x.device) if split > 1 else y
     grid = (mrows, triton.cdiv(n, block_n), split)
+    launch = pdl.launch_args(x.device, cfg.pdl if cfg.pdl is not None else pdl.ENABLED and w.bits == 4)
     _gemv_kernel[grid](x, w.qweight.view(torch.int32), w.scales, mins, b, r, y, part, mrows, n, k, x.stride(0),
                        stride_rm, BLOCK_N=block_n, ROWS=rows, LANES=lanes, CPT=cpt, PARTIAL=split > 1,
                        PREFETCH=cfg.prefetch, ASM=not INTERPRETED,
                        VEC_X=cfg.vector_x if cfg.vector_x is not None else w.bits == 4, num_warps=cfg.num_warps,
-                       **const)
+                       **const, **launch)
     if split > 1:
         _reduce_kernel[(mrows, triton.cdiv(n, REDUCE_BLOCK))](
             part, b, r, y, mrows, n, split, stride_rm, HAS_BIAS=bias is not None, HAS_RES=residual is not None,
-            BLOCK=REDUCE_BLOCK, num_warps=4)
+            BLOCK=REDUCE_BLOCK, num_warps=4, **launch)
     return y
 
 

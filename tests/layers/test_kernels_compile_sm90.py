@@ -24,16 +24,16 @@ INV_SQRT_128 = 128 ** -0.5
 
 
 def _compile(fn, ptrs: dict[str, str], const: dict[str, object], floats: tuple[str, ...] = (), warps: int = 4,
-             stages: int = 2) -> None:
+             stages: int = 2, **options: object) -> object:
     """Compile `fn` for sm_90: pointer arguments typed by `ptrs`, `const` as constexprs, `floats`
-    fp32 scalars, every other argument i32."""
+    fp32 scalars, every other argument i32 -> the compiled kernel."""
     triton = pytest.importorskip("triton")
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
     sig = {n: "constexpr" if n in const else ptrs.get(n, "fp32" if n in floats else "i32") for n in fn.arg_names}
     try:
-        triton.compile(ASTSource(fn, sig, constexprs=const), target=GPUTarget("cuda", 90, 32),
-                       options={"num_warps": warps, "num_stages": stages})
+        return triton.compile(ASTSource(fn, sig, constexprs=const), target=GPUTarget("cuda", 90, 32),
+                              options={"num_warps": warps, "num_stages": stages, **options})
     except FileNotFoundError as e:  # a Triton build without its bundled ptxas
         pytest.skip(f"no ptxas: {e}")
 
@@ -115,6 +115,60 @@ def test_gemv_kernel_compiles(bits: int, vector_x: bool) -> None:
     ptrs = {"x_ptr": "*bf16", "q_ptr": "*i32", "s_ptr": "*fp16", "mn_ptr": "*fp16", "b_ptr": "*bf16",
             "r_ptr": "*bf16", "y_ptr": "*bf16", "p_ptr": "*fp32"}
     _compile(wk._gemv_kernel, ptrs, const, stages=1)
+
+
+def _loads_before_wait(kernel: object) -> int:
+    """Global loads in the PTX before griddepcontrol.wait, which must come after launch_dependents."""
+    lines = kernel.asm["ptx"].splitlines()  # type: ignore[attr-defined]
+    at = {op: next(i for i, line in enumerate(lines) if f"griddepcontrol.{op}" in line)
+          for op in ("launch_dependents", "wait")}
+    assert at["launch_dependents"] < at["wait"]
+    return sum("ld.global" in line for line in lines[:at["wait"]])
+
+
+def test_pdl_kernels_wait_before_reading() -> None:
+    """kernels/pdl.py's rule in the sm_90 builds of the decode chain's kernels launched with PDL:
+    each lets its dependents start, then waits, before any load; only the GEMV loads (its first
+    rows' weights) before its wait."""
+    pytest.importorskip("triton")
+    import kvtier.kernels.fused as fu
+    import kvtier.kernels.kv_transform as kt
+    import kvtier.kernels.paged_attention as pa
+    import kvtier.kernels.wq_kernels as wk
+    import kvtier.kernels.wq_matmul as wq
+    pdl = dict(PDL=True)
+    gemv = _compile(wk._gemv_kernel, {"x_ptr": "*bf16", "q_ptr": "*i32", "s_ptr": "*fp16", "mn_ptr": "*fp16",
+                                      "b_ptr": "*bf16", "r_ptr": "*bf16", "y_ptr": "*bf16", "p_ptr": "*fp32"},
+                    dict(BITS=4, GROUP=32, HAS_MINS=True, HAS_BIAS=False, HAS_RES=True, BLOCK_N=16, ROWS=4, LANES=32,
+                         CPT=4, PARTIAL=False, PREFETCH=True, ASM=True, DOT_PREC="tf32", VEC_X=True, **pdl),
+                    stages=1, launch_pdl=True)
+    assert _loads_before_wait(gemv) > 0
+    fmt, pg = make_format("k8v4"), _pages("k8v4")
+    const = pa.split_constants(fmt, 128, 16, 4, torch.bfloat16, True, False, 64, None)
+    store = dict(D=128, BLOCK_T=1, INV_SQRT_D=INV_SQRT_128, K_SMOOTH=1, K_ROTATE=fmt.rotate_k, V_ROTATE=fmt.rotate_v,
+                 BIAS=8.0, MIN_S=1e-8, HQ=32, HKV=8, HAS_NORM=True, **kt._codec_args("K", fmt.k_codec, 128),
+                 **kt._codec_args("V", fmt.v_codec, 128))
+    others = [
+        _compile(kt._rope_store_kernel, {"kd_ptr": pg["k"], "ks_ptr": pg["ks"], "vd_ptr": pg["v"], "vs_ptr": pg["vs"],
+                                         "slot_ptr": "*i64", "shift_ptr": "*fp32", "cs_ptr": "*fp32",
+                                         "qkv_ptr": "*bf16", "cos_ptr": "*fp32", "sin_ptr": "*fp32", "qw_ptr": "*bf16",
+                                         "kw_ptr": "*bf16", "q_ptr": "*bf16", "k_ptr": "*bf16"},
+                 {**store, **pdl}, floats=("eps", "inv_d"), warps=kt.ROW_WARPS, launch_pdl=True),
+        _compile(pa._split_kernel, {"q_ptr": "*bf16", "k_ptr": pg["k"], "ks_ptr": pg["ks"], "v_ptr": pg["v"],
+                                    "vs_ptr": pg["vs"], "bt_ptr": "*i32", "lens_ptr": "*i32", "idx_ptr": "*i32",
+                                    "ok_ptr": "*i32", "sk_ptr": "*bf16", "sv_ptr": "*bf16", "slot_ptr": "*i64",
+                                    "o_ptr": "*fp32", "lse_ptr": "*fp32", "cs_ptr": "*fp32"},
+                 {**const, **pdl}, floats=("qk_scale",), warps=pa.NUM_WARPS, stages=1, launch_pdl=True),
+        _compile(pa._merge_kernel, {"part_ptr": "*fp32", "lse_ptr": "*fp32", "out_ptr": "*bf16"},
+                 dict(D=128, CHUNK=pa.MERGE_CHUNK, **pdl), launch_pdl=True),
+        _compile(wq._reduce_kernel, {"p_ptr": "*fp32", "b_ptr": "*bf16", "r_ptr": "*bf16", "y_ptr": "*bf16"},
+                 dict(HAS_BIAS=False, HAS_RES=True, BLOCK=wq.REDUCE_BLOCK, **pdl), launch_pdl=True),
+        _compile(fu._rms_norm_kernel, {"x_ptr": "*bf16", "w_ptr": "*bf16", "y_ptr": "*bf16"},
+                 dict(H=4096, BLOCK=1024, **pdl), floats=("eps", "inv_h"), launch_pdl=True),
+        _compile(fu._silu_mul_kernel, {"gu_ptr": "*bf16", "out_ptr": "*bf16"},
+                 dict(BLOCK=fu.SILU_BLOCK, EXACT_MATH=True, **pdl), launch_pdl=True),
+    ]
+    assert [_loads_before_wait(k) for k in others] == [0] * len(others)
 
 
 @pytest.mark.parametrize("name", ["bf16", "k8v4"])
