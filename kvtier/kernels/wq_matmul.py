@@ -195,7 +195,7 @@ class GemvConfig:
     vector_x: bool | None = None
     # Programmatic dependent launch (kernels/pdl.py): a program loads its first rows' codes before
     # waiting for the kernel before it, whose tail it overlaps. H100, 36 Qwen3-8B layers of norm,
-    # GEMVs and SiLU in one graph (tools/scratch pdl_gemv), M = 1: 4-bit 2,629 -> 2,422 us with the
+    # GEMVs and SiLU in one graph (tools/pdl_chain.py), M = 1: 4-bit 2,629 -> 2,422 us with the
     # chain's kernels launched so; 8-bit 3,914 -> 4,462 us (and the int8 engine 214.6 -> 189.6 tok/s),
     # 3,970 with every kernel but the GEMV launched so. None (the default): pdl.ENABLED for 4-bit
     # weights, off for 8-bit ones.
