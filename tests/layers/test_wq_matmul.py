@@ -159,6 +159,9 @@ def _compile_for_h200(kernel: object, args: tuple, kw: dict) -> object:
             sig[name] = "i32"
             if a % 16 == 0 and name not in kernel.do_not_specialize:
                 attrs[(i,)] = [["tt.divisibility", 16]]
+    for p in kernel.params[len(args):]:  # constexprs left at their defaults
+        if p.is_constexpr and p.name not in kw:
+            kw[p.name] = p.default
     sig.update({name: "constexpr" for name in kw})
     return triton.compile(ASTSource(kernel, sig, constexprs=kw, attrs=attrs), target=GPUTarget("cuda", 90, 32),
                           options=opts)
