@@ -1,7 +1,8 @@
 """GPU time of a Qwen3-8B-shaped decode chain without attention (36 layers of RMSNorm, qkv, o_proj
 + residual, RMSNorm, gate_up, SiLU, down + residual; random 4-bit and 8-bit weights, group 32),
 captured in one CUDA graph, with programmatic dependent launch (kernels/pdl.py) off, on for every
-kernel, and on for every kernel but the GEMV; bit-equality of the outputs with the first.
+kernel, and on for every kernel but the GEMV; each of the first two also with the GEMV's split-K
+sums done by its last program (GemvConfig.fused_reduce); bit-equality of the outputs with the first.
 
     PYTHONPATH=. python3 tools/pdl_chain.py
 """
@@ -46,8 +47,8 @@ def nbytes(ws):
 
 def timed(ws, x, pdl, reps=20):
     from kvtier.kernels import pdl as P
-    P.ENABLED = pdl != "off"
-    wq.GEMV_CONFIG = replace(wq.GEMV_CONFIG, pdl=pdl == "all")
+    P.ENABLED = not pdl.startswith("off")
+    wq.GEMV_CONFIG = replace(wq.GEMV_CONFIG, pdl=pdl.startswith("all"), fused_reduce=pdl.endswith("fused-reduce"))
     chain(ws, x)
     torch.cuda.synchronize()
     s = torch.cuda.Stream()
@@ -83,7 +84,7 @@ def main():
         for m in (1, 2):
             x = torch.randn(m, 4096, device="cuda", dtype=torch.bfloat16)
             res = {}
-            for pdl in ("off", "all", "no-gemv", "off", "all", "no-gemv"):
+            for pdl in ("off", "all", "no-gemv", "off-fused-reduce", "all-fused-reduce") * 2:
                 ms, y = timed(ws, x, pdl)
                 res.setdefault(pdl, []).append((ms, y))
             pct = lambda ms: 100 * nb / (ms * 1e-3) / bw

@@ -117,6 +117,23 @@ def test_gemv_kernel_compiles(bits: int, vector_x: bool) -> None:
     _compile(wk._gemv_kernel, ptrs, const, stages=1)
 
 
+@pytest.mark.parametrize("bits", [4, 8])
+def test_gemv_fused_split_reduce_compiles(bits: int) -> None:
+    """GemvConfig.fused_reduce's arrival (an acq_rel atomic add at GPU scope) and its reads of the
+    other slices' partials through L2 are in the sm_90 build."""
+    pytest.importorskip("triton")
+    import kvtier.kernels.wq_kernels as wk
+    const = dict(BITS=bits, GROUP=32, HAS_MINS=bits == 4, HAS_BIAS=False, HAS_RES=True, BLOCK_N=16, ROWS=4, LANES=32,
+                 CPT=4, PARTIAL=True, PREFETCH=True, ASM=True, DOT_PREC="tf32", VEC_X=bits == 4, PDL=False,
+                 FUSED_REDUCE=True)
+    ptrs = {"x_ptr": "*bf16", "q_ptr": "*i32", "s_ptr": "*fp16", "mn_ptr": "*fp16", "b_ptr": "*bf16",
+            "r_ptr": "*bf16", "y_ptr": "*bf16", "p_ptr": "*fp32", "sem_ptr": "*i32"}
+    ptx = _compile(wk._gemv_kernel, ptrs, const, stages=1).asm["ptx"]
+    assert "atom.global.gpu.acq_rel.add" in ptx or "atom.acq_rel.gpu.global.add" in ptx, \
+        [line for line in ptx.splitlines() if "atom" in line]
+    assert "ld.global.cg" in ptx
+
+
 def _loads_before_wait(kernel: object) -> int:
     """Global loads in the PTX before griddepcontrol.wait, which must come after launch_dependents."""
     lines = kernel.asm["ptx"].splitlines()  # type: ignore[attr-defined]
