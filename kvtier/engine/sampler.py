@@ -9,9 +9,13 @@ One step, per row b (HF `generate` order, then OpenAI penalties):
       -> temperature == 0 ?           argmax (exact greedy), done
       -> / temperature -> top_k -> top_p -> min_p -> softmax -> draw
 
-Draws use the exponential race: argmax(p / E) with E ~ Exp(1) i.i.d. picks
-token i with probability p_i. A row with its own `torch.Generator` draws its
-E from that generator alone, so a seeded request gives the same tokens
+Draws use the inverse CDF: one uniform u per row (fp64) against the cumulative
+mass of the row's kept tokens picks token i with probability p_i. A filtered row
+(top_k / top_p / min_p) keeps a set within its largest logits, so it sorts only
+its top TOP_SORTED ranks (on a CPU; where they provably hold the set) and draws
+from them in descending order; an unfiltered row draws from its whole vocabulary
+in vocabulary order, nothing sorted. A row with its own `torch.Generator` draws
+its u from that generator alone, so a seeded request gives the same tokens
 whatever else is in the batch and wherever it sits.
 
 `filtered_probs` exposes the final distribution (speculative verification
@@ -20,6 +24,7 @@ needs it); `sample` is the step function the runner calls.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Protocol
 
@@ -127,65 +132,110 @@ def _flatten(id_lists: Sequence[Sequence[int]], rows: Sequence[int]) -> tuple[to
     return torch.tensor(row_idx, dtype=torch.long), torch.tensor(tok_idx, dtype=torch.long)
 
 
-def filter_logits(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
-    """Temperature, then top_k, top_p, min_p (HF order); returns new [B, V] logits
-    with filtered-out tokens at -inf. Rows must have temperature > 0."""
-    dev = logits.device
-    temp = to_device([p.temperature for p in params], logits.dtype, dev)
-    out = logits / temp.unsqueeze(1)  # [B, V]
-    V = out.shape[1]
-    use_k = any(p.top_k > 0 for p in params)
-    use_p = any(p.top_p < 1.0 for p in params)
-    if use_k or use_p:
-        sorted_logits = _top_sorted(out, params)  # [B, W]: each row's W largest, descending
-        if use_k:
-            k = to_device([min(p.top_k, V) if p.top_k > 0 else V for p in params], torch.int64, dev)
-            kth = sorted_logits.gather(1, (k - 1).unsqueeze(1))  # [B, 1]
-            out = out.masked_fill(out < kth, NEG_INF)
-            sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, NEG_INF)
-        if use_p:
-            top_p = to_device([p.top_p for p in params], logits.dtype, dev)
-            # normalised over the whole (top-k filtered) row: sorted_logits may hold only its top ranks
-            sorted_probs = (sorted_logits - out.logsumexp(dim=1, keepdim=True)).exp()
-            before = sorted_probs.cumsum(dim=1) - sorted_probs  # mass strictly above each rank
-            # keep the smallest top set whose mass reaches top_p (HF keeps >= 1 token)
-            keep = before < top_p.unsqueeze(1)
-            keep[:, 0] = True
-            last = keep.sum(dim=1, keepdim=True) - 1  # [B, 1] rank of the last kept token
-            cutoff = sorted_logits.gather(1, last)
-            out = out.masked_fill(out < cutoff, NEG_INF)
+def _filtered(params: Sequence[SamplingParams]) -> list[bool]:
+    return [p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0 for p in params]
+
+
+def _kept(logits: torch.Tensor, params: Sequence[SamplingParams]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The rows' tokens after temperature, top_k, top_p and min_p (HF order), as (values [B, W],
+    token ids [B, W]): every row's W largest scaled logits in descending order, those filtered out
+    at -inf, W holding every row's kept set (`_candidates`). Rows with no filter at all: (the
+    scaled logits [B, V], None), in vocabulary order, nothing sorted."""
+    if all(p.temperature == 1.0 for p in params):  # the APIs' default: nothing to divide
+        scaled = logits
+    else:
+        temp = to_device([p.temperature for p in params], logits.dtype, logits.device)
+        scaled = logits / temp.unsqueeze(1)  # [B, V]
+    if not any(_filtered(params)):
+        return scaled, None
+    # the whole row's normaliser, for top_p rows without top_k (computed once, used twice)
+    lse = scaled.logsumexp(dim=1, keepdim=True) if any(p.top_k <= 0 and p.top_p < 1.0 for p in params) else None
+    vals, idx = _candidates(scaled, params, lse)  # [B, W] descending
+    dev, w = vals.device, vals.shape[1]
+    if any(p.top_k > 0 for p in params):
+        k = to_device([p.top_k if p.top_k > 0 else w for p in params], torch.int64, dev)
+        vals = vals.masked_fill(torch.arange(w, device=dev) >= k.unsqueeze(1), NEG_INF)
+    if any(p.top_p < 1.0 for p in params):
+        # each rank's probability over the whole top-k filtered row (its W ranks hold all of a
+        # top-k row; a row without top_k is normalised over its whole vocabulary)
+        norm = vals.logsumexp(dim=1, keepdim=True)
+        if lse is not None:
+            full = to_device([p.top_k <= 0 for p in params], torch.bool, dev).unsqueeze(1)
+            norm = torch.where(full, lse, norm)
+        probs = (vals - norm).exp()
+        before = probs.cumsum(dim=1) - probs  # mass strictly above each rank
+        top_p = to_device([p.top_p for p in params], logits.dtype, dev).unsqueeze(1)
+        keep = before < top_p  # the smallest top set whose mass reaches top_p (HF keeps >= 1 token)
+        keep[:, 0] = True
+        vals = vals.masked_fill(~keep, NEG_INF)
     if any(p.min_p > 0.0 for p in params):
-        min_p = to_device([p.min_p for p in params], logits.dtype, dev)
-        probs = out.softmax(dim=1)
-        threshold = probs.max(dim=1, keepdim=True).values * min_p.unsqueeze(1)
-        out = out.masked_fill(probs < threshold, NEG_INF)
-    return out
+        # p < min_p * p_max, the normaliser cancelling: exp(l - l_max) < min_p (rank 0 is the max)
+        min_p = to_device([p.min_p for p in params], logits.dtype, dev).unsqueeze(1)
+        vals = vals.masked_fill((vals - vals[:, :1]).exp() < min_p, NEG_INF)
+    return vals, idx
 
 
-# Ranks sorted for top-k / top-p: a full sort of a 49K-151K vocabulary costs milliseconds a step on a
-# CPU (3 ms for 49K on the 2-core box, against ~0.1 ms for topk(1024)); the kept set is nearly
-# always far smaller. A row whose top_p mass is not reached within these ranks sorts everything.
+# Ranks a filtered row's candidates start from: a full sort of a 49K-151K vocabulary costs
+# milliseconds a step on a CPU (3 ms for 49K on the 2-core box, against ~0.1 ms for topk(1024));
+# the kept set is nearly always far smaller. A row whose kept set may reach past them sorts all.
 TOP_SORTED = 1024
 
 
-def _top_sorted(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
-    """Each row's W largest logits in descending order, W enough for every row's top_k and top_p:
-    TOP_SORTED ranks (or the largest top_k) when their probability mass reaches each top_p row's
-    top_p, else all V (the exact result either way: ranks past W are never kept)."""
-    v = logits.shape[1]
+def _candidates(scaled: torch.Tensor, params: Sequence[SamplingParams],
+                lse: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's W largest scaled logits [B, W], descending, and their token ids, W enough for every
+    row's kept set: TOP_SORTED ranks (or the largest top_k) where those provably hold it (a row
+    with top_k; a top_p row whose mass within them reaches top_p, by its whole row's normaliser
+    lse [B, 1]; a min_p row whose last rank is already below its threshold), else the whole
+    vocabulary sorted. The exact kept set either way."""
+    v = scaled.shape[1]
     w = max([TOP_SORTED] + [p.top_k for p in params])
-    if w >= v or logits.is_cuda:  # a GPU sorts a vocabulary in microseconds; the check below would sync
-        return logits.sort(dim=1, descending=True).values
-    top = logits.topk(w, dim=1).values  # sorted, descending
-    rows = [b for b, p in enumerate(params) if p.top_p < 1.0]
-    if rows:
-        r = torch.tensor(rows, device=logits.device)
-        lse = logits[r].logsumexp(dim=1)
-        mass = (top[r] - lse[:, None]).exp().sum(dim=1)  # share of each row's mass in its W ranks
-        need = torch.tensor([params[b].top_p for b in rows], dtype=mass.dtype, device=mass.device)
-        if not bool((mass >= need).all()):
-            return logits.sort(dim=1, descending=True).values
-    return top
+    if w >= v or scaled.is_cuda:  # a GPU sorts a vocabulary in microseconds; the check below would sync
+        return scaled.sort(dim=1, descending=True)
+    vals, idx = scaled.topk(w, dim=1)  # sorted, descending
+    within = []
+    for b, p in enumerate(params):
+        if p.top_k > 0:
+            within.append(torch.ones((), dtype=torch.bool))
+        elif p.top_p < 1.0:  # share of the row's mass in its W ranks
+            within.append((vals[b] - lse[b]).exp().sum() >= p.top_p)  # type: ignore[index]
+        elif p.min_p > 0.0:
+            within.append((vals[b, -1] - vals[b, 0]).exp() < p.min_p)
+        else:
+            within.append(torch.zeros((), dtype=torch.bool))
+    if bool(torch.stack(within).all()):
+        return vals, idx
+    return scaled.sort(dim=1, descending=True)
+
+
+# Columns per chunk of inverse_cdf's two-level search (at most; the largest power of two dividing
+# the row, padded where that is below 16): a fp64 cumsum over a whole 152K vocabulary takes 1.0 ms
+# on the 2-core box, the chunks' fp64 sums 0.03 ms.
+CDF_CHUNK = 256
+
+
+def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """The first column whose cumulative mass passes u times the row's total: probs [S, W] >= 0,
+    u [S, 1] fp64 in [0, 1) -> [S, 1] int64 columns (< W). Sums in fp64, in two levels: the chunk
+    whose cumulative sum passes the target first, then the column within it.
+
+        row:   | chunk 0 | chunk 1 | ... | chunk c | ...      csum[c] = mass of chunks 0..c
+                                         ^ target lies here: cumsum within chunk c + csum[c - 1]
+    """
+    s, w = probs.shape
+    size = math.gcd(w, CDF_CHUNK)
+    if size < 16:  # a row of odd width: zeros past its end (never picked: the search stops before)
+        size = CDF_CHUNK
+        probs = torch.nn.functional.pad(probs, (0, -w % size))
+    nc = probs.shape[1] // size
+    chunks = probs.view(s, nc, size)
+    csum = chunks.sum(dim=2, dtype=torch.float64).cumsum(dim=1)  # [S, nc]
+    target = u * csum[:, -1:]
+    c = torch.searchsorted(csum, target, right=True).clamp_(max=nc - 1)  # [S, 1]
+    before = torch.where(c > 0, csum.gather(1, (c - 1).clamp_(min=0)), 0.0)
+    within = chunks.gather(1, c[:, :, None].expand(s, 1, size)).squeeze(1).double().cumsum(dim=1) + before
+    j = torch.searchsorted(within, target, right=True).clamp_(max=size - 1)
+    return (c * size + j).clamp_(max=w - 1)
 
 
 def _prepare(logits: torch.Tensor, params: Sequence[SamplingParams],
@@ -221,7 +271,9 @@ def filtered_probs(logits: torch.Tensor, params: Sequence[SamplingParams],
         probs[g, out[g].argmax(dim=1)] = 1.0
     if sampled:
         s = torch.tensor(sampled, device=out.device)
-        probs[s] = filter_logits(out[s], [params[b] for b in sampled]).softmax(dim=1)
+        vals, idx = _kept(out[s], [params[b] for b in sampled])
+        p = vals.softmax(dim=1)
+        probs[s] = p if idx is None else torch.zeros_like(out[s]).scatter_(1, idx, p)
     return probs
 
 
@@ -245,13 +297,15 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams],
     if no_masks and all(p.temperature == 0.0 and not needs_history(p) for p in params):
         return logits.argmax(dim=1)  # fast path: plain greedy batch
     out = _prepare(logits, params, history, masks, prompt_lens)
-    tokens = out.argmax(dim=1)  # [B]; final for greedy rows
     sampled = [b for b, p in enumerate(params) if p.temperature > 0.0]
     if not sampled:
-        return tokens
+        return out.argmax(dim=1)
     every = len(sampled) == B
     s = None if every else to_device(sampled, torch.int64, out.device)
-    probs = filter_logits(out if every else out[s], [params[b] for b in sampled]).softmax(dim=1)  # [S, V]
+    # the kept tokens: a filtered row's candidates in descending order (idx their ids), else the
+    # whole row in vocabulary order (idx None)
+    vals, idx = _kept(out if every else out[s], [params[b] for b in sampled])
+    probs = vals.softmax(dim=1)  # [S, W]
     # inverse CDF: one uniform draw per row against the cumulative mass (fp64), the first token
     # whose cumulative mass passes it. One draw instead of V exponentials (0.73 ms a step for a
     # 49K vocabulary on a CPU core); a token of zero probability is never passed over to.
@@ -265,12 +319,18 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams],
     for i, b in enumerate(sampled):
         if generators[b] is not None:
             u[i] = torch.rand(1, dtype=torch.float64, device=probs.device, generator=generators[b])
-    cdf = probs.double().cumsum(dim=1)
-    pick = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).clamp_(max=probs.shape[1] - 1)  # [S, 1]
+    pick = inverse_cdf(probs, u)  # [S, 1]
     # u * total rounding up to the total can only pass the last token: fall back to the likeliest
+    # (rank 0 of the candidates; a CPU checks first whether any row needs the argmax)
     ok = probs.gather(1, pick) > 0
-    drawn = torch.where(ok, pick, probs.argmax(dim=1, keepdim=True)).squeeze(1)
+    if idx is not None:
+        drawn = idx.gather(1, torch.where(ok, pick, 0)).squeeze(1)
+    elif probs.is_cuda or not bool(ok.all()):
+        drawn = torch.where(ok, pick, probs.argmax(dim=1, keepdim=True)).squeeze(1)
+    else:
+        drawn = pick.squeeze(1)
     if every:
         return drawn
+    tokens = out.argmax(dim=1)  # [B]; final for greedy rows
     tokens[s] = drawn
     return tokens

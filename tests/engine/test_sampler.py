@@ -229,3 +229,22 @@ def test_large_vocab_filters_match_the_full_sort() -> None:
         assert int((ref > 0).sum()) > (1024 if b == 1 else 1)  # the flat row keeps more than the top ranks
     toks = sample(logits, params, [None] * len(cases))
     assert all(probs[b, toks[b]] > 0 for b in range(len(cases)))
+
+
+@pytest.mark.parametrize("width", [1024, 151936, 1000, 37])
+def test_inverse_cdf_matches_a_full_cumsum(width: int) -> None:
+    """The two-level search (sampler.inverse_cdf) picks the column a fp64 cumsum over the whole row
+    picks, on rows with zeros (filtered tokens) and widths no power of two divides (padded)."""
+    from kvtier.engine.sampler import inverse_cdf
+    g = torch.Generator().manual_seed(width)
+    probs = torch.rand(6, width, generator=g) ** 4
+    probs[probs < 0.05] = 0.0
+    probs[0, :] = 0.0
+    probs[0, width // 3] = 1.0  # one token: every u picks it
+    u = torch.rand(6, 1, dtype=torch.float64, generator=g)
+    u[1] = 0.0
+    cdf = probs.double().cumsum(dim=1)
+    want = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).clamp_(max=width - 1)
+    got = inverse_cdf(probs, u)
+    assert torch.equal(got, want), (got.squeeze(1).tolist(), want.squeeze(1).tolist())
+    assert bool((probs.gather(1, got) > 0).all())
