@@ -193,17 +193,17 @@ def _candidates(scaled: torch.Tensor, params: Sequence[SamplingParams],
     if w >= v or scaled.is_cuda:  # a GPU sorts a vocabulary in microseconds; the check below would sync
         return scaled.sort(dim=1, descending=True)
     vals, idx = scaled.topk(w, dim=1)  # sorted, descending
-    within = []
-    for b, p in enumerate(params):
+
+    def holds(b: int, p: SamplingParams) -> bool:  # row b's kept set lies within its W ranks
         if p.top_k > 0:
-            within.append(torch.ones((), dtype=torch.bool))
-        elif p.top_p < 1.0:  # share of the row's mass in its W ranks
-            within.append((vals[b] - lse[b]).exp().sum() >= p.top_p)  # type: ignore[index]
-        elif p.min_p > 0.0:
-            within.append((vals[b, -1] - vals[b, 0]).exp() < p.min_p)
-        else:
-            within.append(torch.zeros((), dtype=torch.bool))
-    if bool(torch.stack(within).all()):
+            return True
+        if p.top_p < 1.0:  # share of the row's mass in its W ranks
+            return bool((vals[b] - lse[b]).exp().sum() >= p.top_p)  # type: ignore[index]
+        if p.min_p > 0.0:  # the last rank already below the threshold
+            return bool((vals[b, -1] - vals[b, 0]).exp() < p.min_p)
+        return False  # no filter: every token is kept
+
+    if all(holds(b, p) for b, p in enumerate(params)):
         return vals, idx
     return scaled.sort(dim=1, descending=True)
 

@@ -117,9 +117,10 @@ PARTS_DECODE = True
 # B = 1, us a call at 32K / 4K (tools/sweep_paged.py --stages): k8v4 (int8 K, int4 V) 2 stages
 # 58.4 / 11.9, 1 stage 47.6 / 12.1; int8 and int4 pages were fastest at the default 2.
 DECODE_STAGES = {"k8v4": 1}
-# At one stage (no software pipelining) the split kernel loads the next tile's page ids under the
-# current tile (PREFETCH_IDS): offline sm_90 build, k8v4, 744 -> 813 loop instructions, 128
-# registers; untimed on a GPU when written (`tools/sweep_paged.py --prefetch` compares).
+# At one stage (no software pipelining) the split kernel may load the next tile's page ids under
+# the current tile (PREFETCH_IDS; offline sm_90 build, k8v4, 744 -> 813 loop instructions, 128
+# registers). Slower at 32K for every format on an H100 (`tools/sweep_paged.py --prefetch`, B = 1,
+# us a layer: k8v4 46.8 -> 59.2, int8 44.0 -> 66.8, bf16 59.5 -> 69.5), so off.
 PREFETCH_AT_ONE_STAGE = False
 
 # The kernels' alternate-source offsets (AltPages): never specialised on value.
