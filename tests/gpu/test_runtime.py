@@ -166,5 +166,7 @@ def test_sampling_does_not_synchronize():
         sample(logits, params, gens)
         sample(logits[1:2], params[1:2], gens[1:2])
         sample(logits, [SamplingParams(temperature=0.0)] * 4, [None] * 4)
+        sample(logits, [SamplingParams(temperature=1.0), SamplingParams(temperature=0.8, seed=5)] * 2,
+               [None, make_generator(5, CUDA)] * 2)  # unfiltered rows: the vocabulary-order draw
     finally:
         torch.cuda.set_sync_debug_mode("default")
