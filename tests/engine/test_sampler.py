@@ -248,3 +248,22 @@ def test_inverse_cdf_matches_a_full_cumsum(width: int) -> None:
     got = inverse_cdf(probs, u)
     assert torch.equal(got, want), (got.squeeze(1).tolist(), want.squeeze(1).tolist())
     assert bool((probs.gather(1, got) > 0).all())
+
+
+def test_mixed_filters_in_one_batch_on_a_large_vocab() -> None:
+    """Rows with different filters share a batch on a 50K vocabulary: each keeps exactly its own
+    set. (Before, a top_k row beside a top_p-only row indexed past the sorted ranks and raised, and
+    an unfiltered row beside a top_p row was cut to the top 1,024 ranks.)"""
+    g = torch.Generator().manual_seed(11)
+    v = 50_000
+    logits = torch.randn(4, v, generator=g) * 4
+    logits[2] /= 4  # no probability of the unfiltered row underflows fp32
+    params = [SamplingParams(temperature=1.0, top_k=40), SamplingParams(temperature=0.8, top_p=0.9),
+              SamplingParams(temperature=1.0), SamplingParams(temperature=0.0)]
+    probs = filtered_probs(logits, params)
+    for b, p in enumerate(params[:3]):
+        ref = torch.tensor(reference_probs(logits[b].tolist(), p), dtype=torch.float32)
+        assert torch.allclose(probs[b], ref, atol=1e-6), b
+    assert int((probs[2] > 0).sum()) == v  # the unfiltered row keeps every token
+    toks = sample(logits, params, [None] * 4)
+    assert all(probs[b, toks[b]] > 0 for b in range(3)) and toks[3] == logits[3].argmax()
