@@ -12,7 +12,7 @@ One step, per row b (HF `generate` order, then OpenAI penalties):
 Draws use the inverse CDF: one uniform u per row (fp64) against the cumulative
 mass of the row's kept tokens picks token i with probability p_i. A filtered row
 (top_k / top_p / min_p) keeps a set within its largest logits, so it sorts only
-its top TOP_SORTED ranks (on a CPU; where they provably hold the set) and draws
+its top 256 or 1,024 ranks (TOP_SORTED; on a CPU, where they provably hold the set) and draws
 from them in descending order; an unfiltered row draws from its whole vocabulary
 in vocabulary order, nothing sorted. A row with its own `torch.Generator` draws
 its u from that generator alone, so a seeded request gives the same tokens
@@ -175,26 +175,25 @@ def _kept(logits: torch.Tensor, params: Sequence[SamplingParams]) -> tuple[torch
     return vals, idx
 
 
-# Ranks a filtered row's candidates start from: a full sort of a 49K-151K vocabulary costs
-# milliseconds a step on a CPU (3 ms for 49K on the 2-core box, against ~0.1 ms for topk(1024));
-# the kept set is nearly always far smaller. A row whose kept set may reach past them sorts all.
-TOP_SORTED = 1024
+# Ranks a filtered row's candidates are taken from on a CPU, widest last: a full sort of a 49K-151K
+# vocabulary costs milliseconds a step (3 ms for 49K on the 2-core box); topk over 152K columns
+# 0.27 ms for 16-256 ranks, 0.71 for 1,024. The kept set is nearly always far smaller; where it may
+# reach past the widest, the whole row is sorted.
+TOP_SORTED = (256, 1024)
 
 
 def _candidates(scaled: torch.Tensor, params: Sequence[SamplingParams],
                 lse: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """Each row's W largest scaled logits [B, W], descending, and their token ids, W enough for every
-    row's kept set: TOP_SORTED ranks (or the largest top_k) where those provably hold it (a row
-    with top_k; a top_p row whose mass within them reaches top_p, by its whole row's normaliser
-    lse [B, 1]; a min_p row whose last rank is already below its threshold), else the whole
-    vocabulary sorted. The exact kept set either way."""
+    row's kept set: the first of TOP_SORTED's widths (or the largest top_k) whose ranks provably
+    hold it (a row with top_k; a top_p row whose mass within them reaches top_p, by its whole row's
+    normaliser lse [B, 1]; a min_p row whose last rank is already below its threshold), else the
+    whole vocabulary sorted. The exact kept set either way."""
     v = scaled.shape[1]
-    w = max([TOP_SORTED] + [p.top_k for p in params])
-    if w >= v or scaled.is_cuda:  # a GPU sorts a vocabulary in microseconds; the check below would sync
+    if scaled.is_cuda:  # a GPU sorts a vocabulary in microseconds; the checks below would sync
         return scaled.sort(dim=1, descending=True)
-    vals, idx = scaled.topk(w, dim=1)  # sorted, descending
 
-    def holds(b: int, p: SamplingParams) -> bool:  # row b's kept set lies within its W ranks
+    def holds(vals: torch.Tensor, b: int, p: SamplingParams) -> bool:  # row b's kept set in its W ranks
         if p.top_k > 0:
             return True
         if p.top_p < 1.0:  # share of the row's mass in its W ranks
@@ -203,8 +202,13 @@ def _candidates(scaled: torch.Tensor, params: Sequence[SamplingParams],
             return bool((vals[b, -1] - vals[b, 0]).exp() < p.min_p)
         return False  # no filter: every token is kept
 
-    if all(holds(b, p) for b, p in enumerate(params)):
-        return vals, idx
+    for width in TOP_SORTED:
+        w = max([width] + [p.top_k for p in params])
+        if w >= v:
+            break
+        vals, idx = scaled.topk(w, dim=1)  # sorted, descending
+        if all(holds(vals, b, p) for b, p in enumerate(params)):
+            return vals, idx
     return scaled.sort(dim=1, descending=True)
 
 
