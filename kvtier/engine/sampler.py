@@ -132,10 +132,6 @@ def _flatten(id_lists: Sequence[Sequence[int]], rows: Sequence[int]) -> tuple[to
     return torch.tensor(row_idx, dtype=torch.long), torch.tensor(tok_idx, dtype=torch.long)
 
 
-def _filtered(params: Sequence[SamplingParams]) -> list[bool]:
-    return [p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0 for p in params]
-
-
 def _kept(logits: torch.Tensor, params: Sequence[SamplingParams]) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The rows' tokens after temperature, top_k, top_p and min_p (HF order), as (values [B, W],
     token ids [B, W]): every row's W largest scaled logits in descending order, those filtered out
@@ -146,7 +142,7 @@ def _kept(logits: torch.Tensor, params: Sequence[SamplingParams]) -> tuple[torch
     else:
         temp = to_device([p.temperature for p in params], logits.dtype, logits.device)
         scaled = logits / temp.unsqueeze(1)  # [B, V]
-    if not any(_filtered(params)):
+    if not any(p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0 for p in params):
         return scaled, None
     # the whole row's normaliser, for top_p rows without top_k (computed once, used twice)
     lse = scaled.logsumexp(dim=1, keepdim=True) if any(p.top_k <= 0 and p.top_p < 1.0 for p in params) else None
@@ -275,9 +271,10 @@ def filtered_probs(logits: torch.Tensor, params: Sequence[SamplingParams],
         probs[g, out[g].argmax(dim=1)] = 1.0
     if sampled:
         s = torch.tensor(sampled, device=out.device)
-        vals, idx = _kept(out[s], [params[b] for b in sampled])
+        rows = out[s]
+        vals, idx = _kept(rows, [params[b] for b in sampled])
         p = vals.softmax(dim=1)
-        probs[s] = p if idx is None else torch.zeros_like(out[s]).scatter_(1, idx, p)
+        probs[s] = p if idx is None else torch.zeros_like(rows).scatter_(1, idx, p)
     return probs
 
 

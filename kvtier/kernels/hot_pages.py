@@ -176,9 +176,8 @@ class HotPages:
     def _launch_args(self, layer: int, st: dict[str, torch.Tensor],
                      alt: AltPages) -> tuple[list[torch.Tensor], list[int], dict[str, int]]:
         ad = alt_offsets(st, None, alt)
-        names = zip(TENSORS, ("ad_k", "ad_ks", "ad_v", "ad_vs"))
         args = [st.get(name, st["k"]) for name in TENSORS]  # absent tensors: placeholders never read
-        ads = [ad[arg] if name in st else 0 for name, arg in names]
+        ads = [ad[arg] if name in st else 0 for name, arg in zip(TENSORS, ("ad_k", "ad_ks", "ad_v", "ad_vs"))]
         self._launch[layer] = args, ads, launch_constants(st)
         return self._launch[layer]
 

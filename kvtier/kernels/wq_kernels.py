@@ -314,8 +314,22 @@ def _reduce_rows(p_ptr, b_ptr, r_ptr, y_ptr, sem_ptr, pid_m, pid_n, row_lo, M, N
     if arrived == splits - 1:
         tl.debug_barrier()
         tl.store(sem, 0)  # zero again for the next launch (stream order puts it after this one)
-        n = row_lo + tl.arange(0, BLOCK_N)
-        acc = tl.zeros([BLOCK_N], tl.float32)
-        for s in range(0, splits):
-            acc += tl.load(p_ptr + (s * M + pid_m).to(tl.int64) * N + n, mask=n < N, other=0.0, cache_modifier=".cg")
-        _epilogue(acc, n, pid_m, n < N, b_ptr, r_ptr, y_ptr, N, stride_rm, HAS_BIAS, HAS_RES)
+        reduce_splits(p_ptr, b_ptr, r_ptr, y_ptr, pid_m, row_lo + tl.arange(0, BLOCK_N), M, N, splits, stride_rm,
+                      HAS_BIAS, HAS_RES, BLOCK_N, True)
+
+
+@triton.jit
+def reduce_splits(p_ptr, b_ptr, r_ptr, y_ptr, m, n, M, N, splits, stride_rm, HAS_BIAS: tl.constexpr,
+                  HAS_RES: tl.constexpr, BLOCK: tl.constexpr, L2_ONLY: tl.constexpr):
+    """y[m, n] = epilogue(sum over splits s, in order, of partial[s, m, n]) for columns n [BLOCK]
+    (wq_matmul._reduce_kernel, `_reduce_rows`). L2_ONLY: the partials are read past L1 (other SMs
+    wrote them within this launch)."""
+    mask = n < N
+    acc = tl.zeros([BLOCK], tl.float32)
+    for s in range(0, splits):
+        part = p_ptr + (s * M + m).to(tl.int64) * N + n
+        if L2_ONLY:
+            acc += tl.load(part, mask=mask, other=0.0, cache_modifier=".cg")
+        else:
+            acc += tl.load(part, mask=mask, other=0.0)
+    _epilogue(acc, n, m, mask, b_ptr, r_ptr, y_ptr, N, stride_rm, HAS_BIAS, HAS_RES)

@@ -12,6 +12,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import sys
+from collections.abc import Callable
+from typing import TypeVar
 from pathlib import Path
 
 import pytest
@@ -29,6 +31,7 @@ from kvtier.layers.qweight import QuantWeight  # noqa: E402
 from tests.layers import wq_matmul_cases as cases  # noqa: E402
 
 CUDA = "cuda"
+T = TypeVar("T")
 # Qwen3-8B (N, K): qkv, o_proj, down; gate_up and lm_head in their own tests (larger).
 SHAPES = {"qkv": (6144, 4096), "o_proj": (4096, 4096), "down": (4096, 12288)}
 ROWS = (1, 2, 7, 32, 300, 2048)  # decode, small batches, batch-32 decode, a prefill chunk, a prefill
@@ -77,13 +80,7 @@ def test_fused_split_reduce_equals_reduce_kernel(m: int) -> None:
         x, _, r = _inputs(m, n, k, torch.bfloat16, False, True, "fused-reduce")
         want = wq.wq_gemv(x, w, None, r, wq.GEMV_CONFIG)
         assert torch.equal(wq.wq_gemv(x, w, None, r, fused), want)
-        graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            wq.wq_gemv(x, w, None, r, fused)
-        torch.cuda.current_stream().wait_stream(stream)
-        with torch.cuda.graph(graph):
-            y = wq.wq_gemv(x, w, None, r, fused)
+        graph, y = _captured(lambda: wq.wq_gemv(x, w, None, r, fused))  # noqa: B023 (called here)
         for _ in range(3):
             graph.replay()
             torch.cuda.synchronize()
@@ -128,17 +125,23 @@ def test_no_host_sync_and_deterministic(m: int) -> None:
         assert torch.equal(a, b)
 
 
-@pytest.mark.parametrize("m", [1, 7, 32, 300])
-def test_cuda_graph_replay_equals_eager(m: int) -> None:
-    inputs, run = _calls(m)
+def _captured(run: Callable[[], T]) -> tuple[torch.cuda.CUDAGraph, T]:
+    """run() warmed up off the capture (compiles, allocations), then captured: (graph, its outputs)."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        run()  # compile and warm up off the capture
+        run()
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        captured = run()
+        out = run()
+    return graph, out
+
+
+@pytest.mark.parametrize("m", [1, 7, 32, 300])
+def test_cuda_graph_replay_equals_eager(m: int) -> None:
+    inputs, run = _calls(m)
+    graph, captured = _captured(run)
     g = torch.Generator().manual_seed(m)
     for _ in range(2):
         for t in inputs:  # new values in the captured buffers

@@ -44,6 +44,39 @@ def _pages(name: str) -> dict[str, str]:
             "vs": _SIG[lay.get("v_scale", lay["v"])]}
 
 
+def _split_ptrs(pg: dict[str, str]) -> dict[str, str]:
+    """Pointer types of paged_attention._split_kernel for a format's pages (`_pages`)."""
+    return {"q_ptr": "*bf16", "k_ptr": pg["k"], "ks_ptr": pg["ks"], "v_ptr": pg["v"], "vs_ptr": pg["vs"],
+            "bt_ptr": "*i32", "lens_ptr": "*i32", "idx_ptr": "*i32", "ok_ptr": "*i32", "sk_ptr": "*bf16",
+            "sv_ptr": "*bf16", "slot_ptr": "*i64", "o_ptr": "*fp32", "lse_ptr": "*fp32", "cs_ptr": "*fp32"}
+
+
+def _store_args(name: str, block: int) -> tuple[dict[str, str], dict[str, object]]:
+    """(pointer types of the store kernels' page arguments, their shared constexprs) for format `name`."""
+    import kvtier.kernels.kv_transform as kt
+    fmt, pg = make_format(name), _pages(name)
+    const = dict(D=128, BLOCK_T=block, INV_SQRT_D=INV_SQRT_128, K_SMOOTH=1 if fmt.quantized else 0,
+                 K_ROTATE=fmt.rotate_k, V_ROTATE=fmt.rotate_v, BIAS=8.0, MIN_S=1e-8,
+                 **kt._codec_args("K", fmt.k_codec, 128), **kt._codec_args("V", fmt.v_codec, 128))
+    pages = {"kd_ptr": pg["k"], "ks_ptr": pg["ks"], "vd_ptr": pg["v"], "vs_ptr": pg["vs"], "slot_ptr": "*i64",
+             "shift_ptr": "*fp32", "cs_ptr": "*fp32"}
+    return pages, const
+
+
+# rope_store's own pointers and constexprs (besides `_store_args`')
+ROPE_PTRS = {"qkv_ptr": "*bf16", "cos_ptr": "*fp32", "sin_ptr": "*fp32", "qw_ptr": "*bf16", "kw_ptr": "*bf16",
+             "q_ptr": "*bf16", "k_ptr": "*bf16"}
+ROPE_CONST = dict(HQ=32, HKV=8, HAS_NORM=True)
+GEMV_PTRS = {"x_ptr": "*bf16", "q_ptr": "*i32", "s_ptr": "*fp16", "mn_ptr": "*fp16", "b_ptr": "*bf16",
+             "r_ptr": "*bf16", "y_ptr": "*bf16", "p_ptr": "*fp32", "sem_ptr": "*i32"}
+
+
+def _gemv_const(bits: int, **over: object) -> dict[str, object]:
+    """The half2 GEMV's constexprs (16-row programs, 4 chunks a thread), with `over` changed."""
+    return dict(BITS=bits, GROUP=32, HAS_MINS=bits == 4, HAS_BIAS=False, HAS_RES=True, BLOCK_N=16, ROWS=4, LANES=32,
+                CPT=4, PARTIAL=False, PREFETCH=True, ASM=True, DOT_PREC="tf32") | over
+
+
 @pytest.mark.parametrize("name", ["int8", "k8v4", "int4"])
 def test_split_kernel_with_folded_rotation_compiles(name: str) -> None:
     pytest.importorskip("triton")
@@ -51,10 +84,8 @@ def test_split_kernel_with_folded_rotation_compiles(name: str) -> None:
     pg = _pages(name)
     native = pa.NativeDomain(torch.ones(8, 128), True, True)
     const = pa.split_constants(make_format(name), 128, 16, 4, torch.bfloat16, True, False, 64, native)
-    ptrs = {"q_ptr": "*bf16", "k_ptr": pg["k"], "ks_ptr": pg["ks"], "v_ptr": pg["v"], "vs_ptr": pg["vs"],
-            "bt_ptr": "*i32", "lens_ptr": "*i32", "idx_ptr": "*i32", "ok_ptr": "*i32", "sk_ptr": "*bf16",
-            "sv_ptr": "*bf16", "slot_ptr": "*i64", "o_ptr": "*fp32", "lse_ptr": "*fp32", "cs_ptr": "*fp32"}
-    _compile(pa._split_kernel, ptrs, const, floats=("qk_scale",), warps=pa.NUM_WARPS, stages=pa.NUM_STAGES)
+    _compile(pa._split_kernel, _split_ptrs(pg), const, floats=("qk_scale",), warps=pa.NUM_WARPS,
+             stages=pa.NUM_STAGES)
     _compile(pa._merge_kernel, {"part_ptr": "*fp32", "lse_ptr": "*fp32", "out_ptr": "*bf16"},
              dict(D=128, CHUNK=pa.MERGE_CHUNK, ROTATE=True, INV_SQRT_D=INV_SQRT_128))
 
@@ -64,16 +95,9 @@ def test_split_kernel_with_folded_rotation_compiles(name: str) -> None:
 def test_store_kernels_compile(name: str, block: int) -> None:
     pytest.importorskip("triton")
     import kvtier.kernels.kv_transform as kt
-    fmt, pg = make_format(name), _pages(name)
-    const = dict(D=128, BLOCK_T=block, INV_SQRT_D=INV_SQRT_128, K_SMOOTH=1 if fmt.quantized else 0,
-                 K_ROTATE=fmt.rotate_k, V_ROTATE=fmt.rotate_v, BIAS=8.0, MIN_S=1e-8,
-                 **kt._codec_args("K", fmt.k_codec, 128), **kt._codec_args("V", fmt.v_codec, 128))
-    pages = {"kd_ptr": pg["k"], "ks_ptr": pg["ks"], "vd_ptr": pg["v"], "vs_ptr": pg["vs"], "slot_ptr": "*i64",
-             "shift_ptr": "*fp32", "cs_ptr": "*fp32"}
+    pages, const = _store_args(name, block)
     warps = kt.ROW_WARPS if block == 1 else kt.TILE_WARPS
-    _compile(kt._rope_store_kernel, {**pages, "qkv_ptr": "*bf16", "cos_ptr": "*fp32", "sin_ptr": "*fp32",
-                                     "qw_ptr": "*bf16", "kw_ptr": "*bf16", "q_ptr": "*bf16", "k_ptr": "*bf16"},
-             dict(const, HQ=32, HKV=8, HAS_NORM=True), floats=("eps", "inv_d"), warps=warps)
+    _compile(kt._rope_store_kernel, {**pages, **ROPE_PTRS}, const | ROPE_CONST, floats=("eps", "inv_d"), warps=warps)
     _compile(kt._transform_store_kernel, {**pages, "k_ptr": "*bf16", "v_ptr": "*bf16"}, const, warps=warps)
     _compile(kt._transform_rows_kernel, {"x_ptr": "*bf16", "out_ptr": "*bf16", "cs_ptr": "*fp32"},
              dict(D=128, BLOCK_T=block, SMOOTH=2, ROTATE=True, INV_SQRT_D=INV_SQRT_128), warps=warps)
@@ -110,11 +134,7 @@ def test_gemv_kernel_compiles(bits: int, vector_x: bool) -> None:
     """The half2 GEMV (inline PTX; x paired in registers with vector_x) builds for sm_90."""
     pytest.importorskip("triton")
     import kvtier.kernels.wq_kernels as wk
-    const = dict(BITS=bits, GROUP=32, HAS_MINS=bits == 4, HAS_BIAS=False, HAS_RES=True, BLOCK_N=16, ROWS=4, LANES=32,
-                 CPT=4, PARTIAL=False, PREFETCH=True, ASM=True, DOT_PREC="tf32", VEC_X=vector_x)
-    ptrs = {"x_ptr": "*bf16", "q_ptr": "*i32", "s_ptr": "*fp16", "mn_ptr": "*fp16", "b_ptr": "*bf16",
-            "r_ptr": "*bf16", "y_ptr": "*bf16", "p_ptr": "*fp32"}
-    _compile(wk._gemv_kernel, ptrs, const, stages=1)
+    _compile(wk._gemv_kernel, GEMV_PTRS, _gemv_const(bits, VEC_X=vector_x), stages=1)
 
 
 @pytest.mark.parametrize("bits", [4, 8])
@@ -123,12 +143,8 @@ def test_gemv_fused_split_reduce_compiles(bits: int) -> None:
     other slices' partials through L2 are in the sm_90 build."""
     pytest.importorskip("triton")
     import kvtier.kernels.wq_kernels as wk
-    const = dict(BITS=bits, GROUP=32, HAS_MINS=bits == 4, HAS_BIAS=False, HAS_RES=True, BLOCK_N=16, ROWS=4, LANES=32,
-                 CPT=4, PARTIAL=True, PREFETCH=True, ASM=True, DOT_PREC="tf32", VEC_X=bits == 4, PDL=False,
-                 FUSED_REDUCE=True)
-    ptrs = {"x_ptr": "*bf16", "q_ptr": "*i32", "s_ptr": "*fp16", "mn_ptr": "*fp16", "b_ptr": "*bf16",
-            "r_ptr": "*bf16", "y_ptr": "*bf16", "p_ptr": "*fp32", "sem_ptr": "*i32"}
-    ptx = _compile(wk._gemv_kernel, ptrs, const, stages=1).asm["ptx"]
+    const = _gemv_const(bits, PARTIAL=True, VEC_X=bits == 4, PDL=False, FUSED_REDUCE=True)
+    ptx = _compile(wk._gemv_kernel, GEMV_PTRS, const, stages=1).asm["ptx"]
     assert "atom.global.gpu.acq_rel.add" in ptx or "atom.acq_rel.gpu.global.add" in ptx, \
         [line for line in ptx.splitlines() if "atom" in line]
     assert "ld.global.cg" in ptx
@@ -154,28 +170,15 @@ def test_pdl_kernels_wait_before_reading() -> None:
     import kvtier.kernels.wq_kernels as wk
     import kvtier.kernels.wq_matmul as wq
     pdl = dict(PDL=True)
-    gemv = _compile(wk._gemv_kernel, {"x_ptr": "*bf16", "q_ptr": "*i32", "s_ptr": "*fp16", "mn_ptr": "*fp16",
-                                      "b_ptr": "*bf16", "r_ptr": "*bf16", "y_ptr": "*bf16", "p_ptr": "*fp32"},
-                    dict(BITS=4, GROUP=32, HAS_MINS=True, HAS_BIAS=False, HAS_RES=True, BLOCK_N=16, ROWS=4, LANES=32,
-                         CPT=4, PARTIAL=False, PREFETCH=True, ASM=True, DOT_PREC="tf32", VEC_X=True, **pdl),
-                    stages=1, launch_pdl=True)
+    gemv = _compile(wk._gemv_kernel, GEMV_PTRS, _gemv_const(4, VEC_X=True, **pdl), stages=1, launch_pdl=True)
     assert _loads_before_wait(gemv) > 0
-    fmt, pg = make_format("k8v4"), _pages("k8v4")
-    const = pa.split_constants(fmt, 128, 16, 4, torch.bfloat16, True, False, 64, None)
-    store = dict(D=128, BLOCK_T=1, INV_SQRT_D=INV_SQRT_128, K_SMOOTH=1, K_ROTATE=fmt.rotate_k, V_ROTATE=fmt.rotate_v,
-                 BIAS=8.0, MIN_S=1e-8, HQ=32, HKV=8, HAS_NORM=True, **kt._codec_args("K", fmt.k_codec, 128),
-                 **kt._codec_args("V", fmt.v_codec, 128))
+    pages, store = _store_args("k8v4", 1)
+    split = pa.split_constants(make_format("k8v4"), 128, 16, 4, torch.bfloat16, True, False, 64, None)
     others = [
-        _compile(kt._rope_store_kernel, {"kd_ptr": pg["k"], "ks_ptr": pg["ks"], "vd_ptr": pg["v"], "vs_ptr": pg["vs"],
-                                         "slot_ptr": "*i64", "shift_ptr": "*fp32", "cs_ptr": "*fp32",
-                                         "qkv_ptr": "*bf16", "cos_ptr": "*fp32", "sin_ptr": "*fp32", "qw_ptr": "*bf16",
-                                         "kw_ptr": "*bf16", "q_ptr": "*bf16", "k_ptr": "*bf16"},
-                 {**store, **pdl}, floats=("eps", "inv_d"), warps=kt.ROW_WARPS, launch_pdl=True),
-        _compile(pa._split_kernel, {"q_ptr": "*bf16", "k_ptr": pg["k"], "ks_ptr": pg["ks"], "v_ptr": pg["v"],
-                                    "vs_ptr": pg["vs"], "bt_ptr": "*i32", "lens_ptr": "*i32", "idx_ptr": "*i32",
-                                    "ok_ptr": "*i32", "sk_ptr": "*bf16", "sv_ptr": "*bf16", "slot_ptr": "*i64",
-                                    "o_ptr": "*fp32", "lse_ptr": "*fp32", "cs_ptr": "*fp32"},
-                 {**const, **pdl}, floats=("qk_scale",), warps=pa.NUM_WARPS, stages=1, launch_pdl=True),
+        _compile(kt._rope_store_kernel, {**pages, **ROPE_PTRS}, store | ROPE_CONST | pdl, floats=("eps", "inv_d"),
+                 warps=kt.ROW_WARPS, launch_pdl=True),
+        _compile(pa._split_kernel, _split_ptrs(_pages("k8v4")), split | pdl, floats=("qk_scale",), warps=pa.NUM_WARPS,
+                 stages=1, launch_pdl=True),
         _compile(pa._merge_kernel, {"part_ptr": "*fp32", "lse_ptr": "*fp32", "out_ptr": "*bf16"},
                  dict(D=128, CHUNK=pa.MERGE_CHUNK, **pdl), launch_pdl=True),
         _compile(wq._reduce_kernel, {"p_ptr": "*fp32", "b_ptr": "*bf16", "r_ptr": "*bf16", "y_ptr": "*bf16"},
