@@ -47,6 +47,10 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
                         "bound) | quest-max | meankey (baseline) | centroid (per kv head mean key) | midrange "
                         "(per kv head (min + max) / 2) | hybrid-mid (half quest, half midrange: no key sums kept, "
                         "half the summary memory)")
+    p.add_argument("--kvmem-summary-bits", type=int, default=RetrievalConfig.summary_bits, choices=(8, 16),
+                   help="bits of each page's key min / max that retrieval scores every decode step: 16 (the "
+                        "keys' dtype on CUDA, fp32 on CPU) or 8 (int8 codes rounded outward with a power-of-two "
+                        "scale per page and kv head: half the bytes read and held)")
     p.add_argument("--kvmem-gpu-cache", type=int, default=0,
                    help="retrieval past the GPU pool (CUDA): tokens of GPU pool pages that keep the host pages "
                         "decode selects, so a page chosen again is not read over the bus again (0: off, the "
@@ -80,7 +84,8 @@ def _engine_config(a: argparse.Namespace) -> EngineConfig:
                         attention_backend=a.attention_backend, cuda_graphs=a.cuda_graphs, overlap=a.overlap,
                         retrieval=RetrievalConfig(budget=a.kvmem_budget, sink=a.kvmem_sink,
                                                   window=a.kvmem_window, selector=a.kvmem_selector,
-                                                  gpu_cache=a.kvmem_gpu_cache))
+                                                  gpu_cache=a.kvmem_gpu_cache,
+                                                  summary_bits=a.kvmem_summary_bits))
 
 
 def _sampling_args(p: argparse.ArgumentParser) -> None:
@@ -328,13 +333,15 @@ def cmd_plan(a: argparse.Namespace) -> int:
 
     sums = a.kvmem_selector in SUM_SELECTORS
     plan = plan_for_args(a.model, a.kv_dtype, a.context, a.gpu_memory_limit, a.host_kv_mib,
-                         offload_layers=a.offload_layers, retrieval=a.kvmem_budget > 0, key_sums=sums)
+                         offload_layers=a.offload_layers, retrieval=a.kvmem_budget > 0, key_sums=sums,
+                         summary_bits=a.kvmem_summary_bits)
     print_tables(render(plan))
     for n in plan.notes:
         console.print(f"[yellow]note:[/] {n}")
     if plan.summary_bytes and sums and plan.host_kv_bytes:
         lean = plan_for_args(a.model, a.kv_dtype, a.context, a.gpu_memory_limit, a.host_kv_mib,
-                             offload_layers=a.offload_layers, retrieval=True, key_sums=False)
+                             offload_layers=a.offload_layers, retrieval=True, key_sums=False,
+                             summary_bits=a.kvmem_summary_bits)
         if lean.gpu_kv_tokens > plan.gpu_kv_tokens:
             console.print(f"[yellow]note:[/] --kvmem-selector hybrid-mid keeps no key sums: summaries "
                           f"{lean.summary_bytes / GIB:.2f} GiB instead of {plan.summary_bytes / GIB:.2f} GiB, "
@@ -429,6 +436,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="retrieval attention on (as serve's flag): count its page summaries on the GPU")
     p.add_argument("--kvmem-selector", default=RetrievalConfig.selector, choices=SELECTORS,
                    help="as serve's flag: hybrid-mid / quest / quest-max / midrange keep no key sums")
+    p.add_argument("--kvmem-summary-bits", type=int, default=RetrievalConfig.summary_bits, choices=(8, 16),
+                   help="as serve's flag")
     p.set_defaults(fn=cmd_plan)
     p = sub.add_parser("eval", help="quality evaluations (recall: dense vs retrieval attention)")
     from kvtier.eval import recall_cli  # torch-free: the evaluation itself is imported when it runs

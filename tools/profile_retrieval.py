@@ -51,6 +51,7 @@ def main() -> None:
     p.add_argument("--host-kv-mib", type=int, default=8000)
     p.add_argument("--budget", type=int, default=2048)
     p.add_argument("--selector", default="hybrid", help="a config.SELECTORS name")
+    p.add_argument("--summary-bits", type=int, default=16, choices=(8, 16), help="--kvmem-summary-bits")
     p.add_argument("--host-side", action="store_true",
                    help="also the step's CPU ops (torch.profiler) and a cProfile of six steps")
     a = p.parse_args()
@@ -60,7 +61,8 @@ def main() -> None:
         prompt, mml = int(parts[0]), int(parts[1])
         graphs = "off" if "eager" in parts else "auto"
         cfg = EngineConfig(device="cuda", dtype="bf16", cuda_graphs=graphs, max_model_len=mml, max_batch=2,
-                           retrieval=RetrievalConfig(budget=a.budget, selector=a.selector),
+                           retrieval=RetrievalConfig(budget=a.budget, selector=a.selector,
+                                                     summary_bits=a.summary_bits),
                            cache=CacheConfig(kv_dtype="k8v4", gpu_kv_mib=a.gpu_kv_mib, host_kv_mib=a.host_kv_mib))
         t = time.perf_counter()
         eng = Engine(net, None, cfg, model_name="p")

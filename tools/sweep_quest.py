@@ -4,7 +4,7 @@ min / max, 16-token pages).
 
     PYTHONPATH=. python3 tools/sweep_quest.py
 
-Cases: 128K and 256K contexts, with the pages split between the compute pool (the first 4,166
+Cases: 128K and 256K contexts (256K also with 8-bit summaries: int8 codes), with the pages split between the compute pool (the first 4,166
 pages: 66,656 tokens, what a 12 GiB plan of 8B-int4 k8v4 keeps with hybrid-mid) and the host
 tier's summaries (the rest, by negative ids). Rows: the bound with and without the midrange
 scores, at three tile sizes (SCORE_TILE); us a call from CUDA-graph replay, % of the measured
@@ -37,24 +37,36 @@ def summaries(pages: int, g: torch.Generator) -> tuple[torch.Tensor, torch.Tenso
             torch.full((pages,), PAGE, dtype=torch.int32, device="cuda"))
 
 
+def codes(rows: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+    """The same summaries as 8-bit codes (kv/summaries.py): (kmin, kmax codes, count, kexp)."""
+    from kvtier.kv.summaries import encode_bounds, exponents
+    lo, hi, count = rows[0].float(), rows[1].float(), rows[2]
+    e = exponents(torch.maximum(lo.abs(), hi.abs()).amax(-1))
+    lo, hi = encode_bounds(lo, hi, e)
+    return lo.to(torch.int8), hi.to(torch.int8), count, e.to(torch.int8)
+
+
 def main() -> None:
     bw = measure_bandwidth(torch.device("cuda"))
     print(f"bandwidth {bw / 1e9:.0f} GB/s")
     g = torch.Generator(device="cuda").manual_seed(0)
-    base = ra.SCORE_TILE
-    for ctx in (131072, 262144):
+    base = ra.SCORE_TILE, ra.SCORE_TILE_CODES
+    for ctx, bits in ((131072, 16), (262144, 16), (262144, 8)):
         c = ctx // PAGE
         dev, host = summaries(DEV_PAGES, g), summaries(c - DEV_PAGES, g)
+        if bits == 8:
+            dev, host = codes(dev), codes(host)
         ids = torch.cat([torch.arange(DEV_PAGES), -1 - torch.arange(c - DEV_PAGES)]).cuda()[None]
         qg = torch.randn(1, HKV, G, D, device="cuda", generator=g).bfloat16()
         lim = torch.tensor([c], device="cuda")
         cand = torch.arange(c, device="cuda")[None]
-        nbytes = c * (HKV * D * 2 * 2 + 8 + 8 + 4) + c * HKV * 4
+        nbytes = c * (HKV * D * 2 * bits // 8 + HKV * (bits == 8) + 8 + 8 + 4) + c * HKV * 4
         want = ra.quest_scores_reference(qg.float(), dev, ids, False, host)
         spread = (want.max() - want.min()).item()
-        print(f"ctx {ctx}: {c} pages, {nbytes / 1e6:.1f} MB a launch ({nbytes / bw * 1e6:.1f} us at the bandwidth)")
+        print(f"ctx {ctx}, {bits}-bit: {c} pages, {nbytes / 1e6:.1f} MB a launch ({nbytes / bw * 1e6:.1f} us at the "
+              f"bandwidth)")
         for tile in (1024, 2048, 4096, 8192):
-            ra.SCORE_TILE = tile
+            ra.SCORE_TILE = ra.SCORE_TILE_CODES = tile
             for mid in (False, True):
                 def run():
                     return ra.quest_scores(qg, dev, ids, False, host, limit=lim, cand_idx=cand, midrange=mid)
@@ -64,7 +76,7 @@ def main() -> None:
                 err = (got - want).abs().max().item() / spread
                 print(f"   tile {tile:5d} mid {mid:d}: {us:7.1f} us {100 * nbytes / bw / (us * 1e-6):4.0f}%"
                       f"  max err {err:.1e} of the spread", flush=True)
-    ra.SCORE_TILE = base
+    ra.SCORE_TILE, ra.SCORE_TILE_CODES = base
 
 
 if __name__ == "__main__":

@@ -158,7 +158,7 @@ def run_grid(a: argparse.Namespace, config: EngineConfig) -> int:
                                   dt) * spec.num_layers
         ret = cfg.retrieval
         summ_pt = summary_bytes_per_token(spec.num_kv_heads, spec.head_dim, cfg.cache.page_size, spec.num_layers,
-                                          summary_dtype(dev, dt), ret.key_sums) if ret.enabled else 0.0
+                                          summary_dtype(dev, dt, ret.summary_bits), ret.key_sums) if ret.enabled else 0.0
         run_batch(engine, [synthetic_ids(WARMUP_PROMPT, spec.vocab_size, 3)], WARMUP_GEN)  # warm-up
         gc.collect()
         gc.freeze()  # as `kvtier serve` does: no collection walks the startup objects mid-row

@@ -185,11 +185,13 @@ def held_weight_bytes(model: str, spec: ModelSpec) -> tuple[int, str] | None:
 def make_plan(spec: ModelSpec, kv_format: str, context: int | None, gpu_limit: int | None,
               host_kv_bytes: int | None, weight_dtype: str = "bf16",
               prefill_chunk: int = CUDA_PREFILL_CHUNK, held: tuple[int, str] | None = None,
-              offload_layers: int | None = None, retrieval: bool = False, key_sums: bool = True) -> MemoryPlan:
+              offload_layers: int | None = None, retrieval: bool = False, key_sums: bool = True,
+              summary_bits: int = 16) -> MemoryPlan:
     """held: (bytes, format) of quantized weights (held_weight_bytes); None: dense in weight_dtype.
     offload_layers: layers streamed from host RAM (None: the fewest that let the weights and
     OFFLOAD_MIN_GPU_KV_TOKENS of KV fit gpu_limit; 0 without a limit). retrieval: count the page
-    summaries of both tiers on the GPU; key_sums: with the key sums (config.SUM_SELECTORS)."""
+    summaries of both tiers on the GPU; key_sums: with the key sums (config.SUM_SELECTORS);
+    summary_bits: their min / max in 8 or 16 bits (kv/summaries.py)."""
     from kvtier.kv.formats import make_format
 
     import torch
@@ -201,7 +203,7 @@ def make_plan(spec: ModelSpec, kv_format: str, context: int | None, gpu_limit: i
     compute = torch.float32 if weight_dtype == "fp32" else torch.bfloat16
     kvpt = kv_bytes_per_token(fmt, spec.num_kv_heads, spec.head_dim, DEFAULT_PAGE_SIZE, compute) * spec.num_layers
     spt = summary_bytes_per_token(spec.num_kv_heads, spec.head_dim, DEFAULT_PAGE_SIZE, spec.num_layers,
-                                  summary_dtype("cuda", compute), key_sums) if retrieval else 0.0
+                                  summary_dtype("cuda", compute, summary_bits), key_sums) if retrieval else 0.0
     weights = held[0] if held is not None else param_count(spec) * WEIGHT_BYTES[weight_dtype]
     scratch = prefill_chunk * spec.hidden_size * ACTIVATION_FACTOR * WEIGHT_BYTES[weight_dtype]
     scratch += prefill_chunk * spec.vocab_size * 4 // 8  # logits of a few rows at most, fp32
@@ -316,11 +318,12 @@ RTN_WEIGHTS = {"int8": (8, False), "int4": (4, True)}
 
 def plan_for_args(model: str, kv_dtype: str, context: int | None, gpu_memory_limit: str | None,
                   host_kv_mib: int, prefill_chunk: int = CUDA_PREFILL_CHUNK, weights: str = "auto",
-                  offload_layers: int | None = None, retrieval: bool = False, key_sums: bool = True) -> MemoryPlan:
+                  offload_layers: int | None = None, retrieval: bool = False, key_sums: bool = True,
+                  summary_bits: int = 16) -> MemoryPlan:
     """The plan `kvtier plan` prints and `kvtier serve` checks, from CLI values (no weights read).
     weights: `--weights` (auto: quantized files as stored, else bf16); offload_layers:
     `--offload-layers` (None: as the limit needs); retrieval: `--kvmem-budget` > 0; key_sums:
-    the selector reads key sums."""
+    the selector reads key sums; summary_bits: `--kvmem-summary-bits`."""
     limit = parse_size(gpu_memory_limit) if gpu_memory_limit else None
     host = host_kv_mib * MIB if host_kv_mib else None
     kv = kv_dtype if kv_dtype != "auto" else "bf16"
@@ -331,7 +334,8 @@ def plan_for_args(model: str, kv_dtype: str, context: int | None, gpu_memory_lim
     else:
         held = held_weight_bytes(model, spec) if weights == "auto" else None
     return make_plan(spec, kv, context, limit, host, prefill_chunk=prefill_chunk, held=held,
-                     offload_layers=offload_layers, retrieval=retrieval, key_sums=key_sums)
+                     offload_layers=offload_layers, retrieval=retrieval, key_sums=key_sums,
+                     summary_bits=summary_bits)
 
 
 def checked_engine_config(config: EngineConfig, model: str, gpu_memory_limit: str | None) -> EngineConfig:
@@ -352,7 +356,7 @@ def checked_engine_config(config: EngineConfig, model: str, gpu_memory_limit: st
     plan = plan_for_args(model, cc.kv_dtype, config.max_model_len, gpu_memory_limit, cc.host_kv_mib,
                          prefill_chunk_for("cuda", config.prefill_chunk), config.weights,
                          0 if on_cpu else config.offload_layers, retrieval=config.retrieval.budget > 0,
-                         key_sums=config.retrieval.key_sums)
+                         key_sums=config.retrieval.key_sums, summary_bits=config.retrieval.summary_bits)
     problems = list(plan.problems)
     room = (plan.gpu_limit or 0) - plan.weight_bytes - plan.scratch_bytes - plan.reserve_bytes
     if cc.gpu_kv_mib is not None and cc.gpu_kv_mib * MIB > room:

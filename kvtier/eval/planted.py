@@ -54,18 +54,20 @@ class PlantedRow:
 @torch.inference_mode()
 def run_planted(length: int, margins: list[float], trials: int, budget: int, selectors: list[str],
                 kv_heads: int = 8, gqa: int = 4, head_dim: int = 128, page_size: int = 16, sink: int = 16,
-                window: int = 256, kv_dtype: str = "bf16", device: str = "cpu", seed: int = 0) -> list[PlantedRow]:
-    """One pool of `length` random tokens; per margin, `trials` planted rows through each selector."""
+                window: int = 256, kv_dtype: str = "bf16", device: str = "cpu", seed: int = 0,
+                summary_bits: tuple[int, ...] = (16,)) -> list[PlantedRow]:
+    """One pool of `length` random tokens; per margin, `trials` planted rows through each selector,
+    once per summary width in `summary_bits` (kv/summaries.py; 8: the method named "<selector>/8")."""
     dev = torch.device(device)
     compute = torch.float32 if kv_dtype == "fp32" else (torch.bfloat16 if dev.type == "cpu" else torch.float16)
     n_pages = length // page_size + 1  # + the decode row's page
     ctx = (n_pages - 1) * page_size
     pool = PagePool(make_format(kv_dtype), 1, n_pages, kv_heads, page_size, head_dim, dev, compute_dtype=compute)
     scale = head_dim ** -0.5
-    summaries = PageSummaries.for_pool(pool)
-    methods = {s: RetrievalAttention(pool, scale, RetrievalConfig(budget=budget, sink=sink, window=window,
-                                                                  selector=s),
-                                     summaries=summaries, record=True, kernel=False) for s in selectors}
+    summaries = [PageSummaries.for_pool(pool, bits=b) for b in summary_bits]
+    methods = {s + ("/8" if summ.codes else ""): RetrievalAttention(
+        pool, scale, RetrievalConfig(budget=budget, sink=sink, window=window, selector=s),
+        summaries=summ, record=True, kernel=False) for summ in summaries for s in selectors}
     lo_page, hi_page = -(-sink // page_size), (ctx - window) // page_size
     if hi_page - lo_page < 1:
         raise ValueError(f"length {length} leaves no page between the sink and the window")
@@ -97,7 +99,7 @@ def run_planted(length: int, margins: list[float], trials: int, budget: int, sel
     table = list(range(n_pages))
     out: list[PlantedRow] = []
     for mi, margin in enumerate(margins):
-        stats = {s: [0, 0.0, 0.0] for s in selectors}  # found, mass, err
+        stats = {s: [0, 0.0, 0.0] for s in methods}  # found, mass, err
         for t in range(trials):
             run = mi * trials + t
             q = queries[run]
@@ -135,21 +137,22 @@ def run_planted(length: int, margins: list[float], trials: int, budget: int, sel
                 stats[s][2] += float(((o - dense).norm(dim=-1) / dense.norm(dim=-1)).mean())
             for p in planted:  # restore the random pages
                 _write(pool, summaries, p * page_size, saved_k[p].to(dev, compute), saved_v[p].to(dev, compute))
-        for s in selectors:
+        for s in methods:
             f, m, e = stats[s]
             out.append(PlantedRow(ctx, margin, s, f / (trials * kv_heads), m / trials, e / trials))
     return out
 
 
-def _write(pool: PagePool, summaries: PageSummaries, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
-    """Rows start.. of the one sequence (pages 0.. in order) into the pool and its summaries; the
-    row at position 0 also into its sink slot (quantized formats)."""
+def _write(pool: PagePool, summaries: list[PageSummaries], start: int, k: torch.Tensor, v: torch.Tensor) -> None:
+    """Rows start.. of the one sequence (pages 0.. in order) into the pool and each of its
+    summaries; the row at position 0 also into its sink slot (quantized formats)."""
     slots = torch.arange(start, start + k.shape[0], device=k.device)
     sink = None
     if start == 0 and pool.sink_slots:
         sink = (torch.tensor([0], device=k.device), pool.assign_sinks([0]))
     pool.write(0, slots, k, v, sink=sink)
-    summaries.update(0, slots, k)
+    for summ in summaries:
+        summ.update(0, slots, k)
 
 
 def main(args: argparse.Namespace) -> int:
@@ -161,7 +164,8 @@ def main(args: argparse.Namespace) -> int:
     rows: list[PlantedRow] = []
     for length in (int(x) for x in args.lengths.split(",")):
         rows += run_planted(length, margins, args.trials, args.budget, selectors, args.kv_heads, args.gqa,
-                            args.head_dim, args.page_size, args.sink, args.window, args.kv_dtype, dev, args.seed)
+                            args.head_dim, args.page_size, args.sink, args.window, args.kv_dtype, dev, args.seed,
+                            tuple(int(b) for b in args.summary_bits.split(",")))
     table = [["length", "margin (nats)", "selector", "needles found", "dense mass covered", "output error"]]
     table += [[f"{r.length:,}", f"{r.margin:g}", r.method, f"{100 * r.found:.1f}%", f"{r.mass:.3f}",
                f"{r.rel_err:.3f}"] for r in rows]

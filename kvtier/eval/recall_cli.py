@@ -67,6 +67,8 @@ def add_planted_parser(subparsers: argparse._SubParsersAction) -> argparse.Argum
     p.add_argument("--kv-dtype", default="bf16", choices=("fp32", "bf16", "fp16", "fp8", "int8", "k8v4", "int4"))
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--summary-bits", default="16",
+                   help="page summaries' min / max bits, comma-separated (16, 8 or both: '/8' rows)")
     p.add_argument("--markdown", type=Path, default=None, help="also write the table here")
     p.set_defaults(fn=_run_planted)
     return p

@@ -24,9 +24,11 @@ from __future__ import annotations
 
 import torch
 
+from kvtier.kernels import pdl
 from kvtier.kernels.paged_attention import (HAVE_TRITON, AltPages, NativeDomain, PageLists, Sink, _check_pages,
                                             choose_num_splits, launch_decode, with_alt)
 from kvtier.kv.formats import KVFormat
+from kvtier.kv.summaries import E_MIN as SUMMARY_E_MIN
 
 
 def selected_num_splits(rows: int, kv_heads: int, n_sel: int, page_size: int, num_sms: int) -> int:
@@ -152,6 +154,10 @@ def paged_decode_selected_reference(q: torch.Tensor, st: dict[str, torch.Tensor]
 # Compiled for sm_90 offline, 4 warps, 4096: 123 registers (165 with a host tier) at D = 128, no
 # spills; 8192 spilled at D = 256 with a host tier.
 SCORE_TILE = 2048
+# The same for 8-bit summaries (kv/summaries.py: int8 codes, half the bytes a value). H100, 256K,
+# hybrid-mid's launch with PDL off (tools/profile_retrieval.py): 34.2 us at 2048 against ~36.7 for
+# bf16 at 2048: the launch is no longer bound by its loads. tools/sweep_quest.py times the tiles.
+SCORE_TILE_CODES = 2048
 # topk_columns: columns a chunk program sorts (at least; long rows take longer chunks so that at
 # most TOPK_MAX_CHUNKS chunks' picks reach the merge program), the warps of a
 # chunk program, and a chunk holds at least TOPK_CHUNK_PICKS times the (power-of-two) picks. H100,
@@ -174,6 +180,22 @@ if HAVE_TRITON:
     import triton
     import triton.language as tl
 
+    from kvtier.kernels.pdl import wait_before_reads
+
+    E_MIN = tl.constexpr(SUMMARY_E_MIN)
+
+    @triton.jit
+    def _pow2(e):
+        """2^e in fp32, exactly (e int32 within -126 .. 127): kv/summaries.py pow2."""
+        return ((e + 127) << 23).to(tl.float32, bitcast=True)
+
+    @triton.jit
+    def _exponent(amax):
+        """kv/summaries.py exponents: the least e >= E_MIN with amax <= 127 * 2^e (fp32 amax >= 0)."""
+        x = ((amax.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 126  # amax in [2^(x-1), 2^x); -126 below normal
+        e0 = tl.maximum(x - 7, E_MIN)
+        return e0 + (amax > 127.0 * _pow2(e0)).to(tl.int32)
+
     @triton.jit
     def _store_scores(dst, acc, cnt, cand_ptr, r, c, cm, C, FILL: tl.constexpr):
         """_quest_kernel's scores out: +inf for pages with no rows; FILL: -inf at non-candidates."""
@@ -186,16 +208,20 @@ if HAVE_TRITON:
 
     @triton.jit(do_not_specialize=["Hkv", "G", "C"])
     def _quest_kernel(q_ptr, ids_ptr, kmin_ptr, kmax_ptr, cnt_ptr, hmin_ptr, hmax_ptr, hcnt_ptr, lim_ptr, cand_ptr,
-                      out_ptr, mid_ptr, Hkv, G, C, D: tl.constexpr, BLOCK_C: tl.constexpr, REDUCE_MAX: tl.constexpr,
-                      HAS_HOST: tl.constexpr, HAS_LIMIT: tl.constexpr, CENTROID: tl.constexpr,
-                      FILL: tl.constexpr, MID: tl.constexpr = False):
+                      out_ptr, mid_ptr, kexp_ptr, hexp_ptr, Hkv, G, C, D: tl.constexpr, BLOCK_C: tl.constexpr,
+                      REDUCE_MAX: tl.constexpr, HAS_HOST: tl.constexpr, HAS_LIMIT: tl.constexpr,
+                      CENTROID: tl.constexpr, FILL: tl.constexpr, MID: tl.constexpr = False,
+                      CODES: tl.constexpr = False, PDL: tl.constexpr = False):
         """One (row r, kv head h, BLOCK_C candidates): bound of each of the G query heads of h,
         summed (quest) or maxed (quest-max) over them; pages with no rows score +inf. HAS_LIMIT:
         columns at or past lim[r] are neither read nor written. CENTROID: kmin / hmin hold the
         pages' key sums instead, and the score is the group's summed q . the page's mean key
         (kmax / hmax are not read). FILL: every column is written, -inf where cand[r, c] < 0 or
         past the limit (the scores top-k reads as they are). MID (with the bound): also the
-        group's summed q . (kmin + kmax) / 2 into mid_ptr, from the same loads."""
+        group's summed q . (kmin + kmax) / 2 into mid_ptr, from the same loads. CODES: kmin / kmax
+        (and hmin / hmax) are 8-bit codes of 2^e units, e per (page, kv head) at kexp_ptr / hexp_ptr
+        (kv/summaries.py): each page's sums over codes, times its 2^e. PDL: kernels/pdl.py."""
+        wait_before_reads(PDL)  # the step's summaries, q and tables: after the kernel before
         r = tl.program_id(0)
         h = tl.program_id(1)
         c0 = tl.program_id(2) * BLOCK_C
@@ -220,6 +246,8 @@ if HAVE_TRITON:
         if not CENTROID:
             kmax = tl.load(kmax_ptr + rows, mask=dev[:, None], other=0.0).to(tl.float32)
         cnt = tl.load(cnt_ptr + ids, mask=dev, other=0)
+        if CODES:
+            ex = tl.load(kexp_ptr + ids * Hkv + h, mask=dev, other=0).to(tl.int32)
         if HAS_HOST:
             hid = -1 - ids
             hm = cm & (ids < 0)
@@ -230,26 +258,42 @@ if HAVE_TRITON:
                 kmax = tl.where(hm[:, None],
                                 tl.load(hmax_ptr + hrows, mask=hm[:, None], other=0.0).to(tl.float32), kmax)
             cnt = tl.where(hm, tl.load(hcnt_ptr + hid, mask=hm, other=0), cnt)
+            if CODES:
+                ex = tl.where(hm, tl.load(hexp_ptr + hid * Hkv + h, mask=hm, other=0).to(tl.int32), ex)
         q_row = q_ptr + (r * Hkv + h).to(tl.int64) * G * D
         if CENTROID:  # (sum_g q_g) . (ksum / count)
             qs = tl.zeros([D], tl.float32)
             for g in range(0, G):
                 qs += tl.load(q_row + g * D + d).to(tl.float32)
             acc = tl.sum(kmin * qs[None, :], axis=1) / tl.maximum(cnt, 1).to(tl.float32)
-        else:
-            acc = tl.full([BLOCK_C], float("-inf") if REDUCE_MAX else 0.0, tl.float32)
+        elif REDUCE_MAX:  # max over the group of sum_d max(q_d min_d, q_d max_d) = q+ . max + q- . min
+            acc = tl.full([BLOCK_C], float("-inf"), tl.float32)
             qs = tl.zeros([1, D], tl.float32)
             for g in range(0, G):
                 qv = tl.load(q_row + g * D + d).to(tl.float32)[None, :]  # [1, D]
-                bound = tl.sum(tl.maximum(qv * kmin, qv * kmax), axis=1)  # sum_d max(q_d min_d, q_d max_d)
-                if MID:
-                    qs += qv
-                if REDUCE_MAX:
-                    acc = tl.maximum(acc, bound)
-                else:
-                    acc = acc + bound
+                acc = tl.maximum(acc, tl.sum(tl.maximum(qv, 0.0) * kmax + tl.minimum(qv, 0.0) * kmin, axis=1))
+                qs += qv
+        else:
+            # The group's summed bound, sum_g sum_d max(q_gd min_d, q_gd max_d), is (as min <= max)
+            # sum_d (sum_g q_gd+) max_d + (sum_g q_gd-) min_d: the group's positive and negative
+            # parts summed first, two FMAs a summary value instead of four ops per query head (the
+            # launch was bound by its instruction issue, not its loads: ~900 SASS instructions a
+            # thread at a 2048 tile, G = 4)
+            qp = tl.zeros([1, D], tl.float32)
+            qn = tl.zeros([1, D], tl.float32)
+            for g in range(0, G):
+                qv = tl.load(q_row + g * D + d).to(tl.float32)[None, :]  # [1, D]
+                qp += tl.maximum(qv, 0.0)
+                qn += tl.minimum(qv, 0.0)
+            acc = tl.sum(qp * kmax + qn * kmin, axis=1)
+            qs = qp + qn
+        if not CENTROID:
+            if CODES:  # the sums over codes, in 2^e units (2^e > 0: the max commutes with it)
+                acc = acc * _pow2(ex)
             if MID:
                 mid = tl.sum((kmin + kmax) * qs, axis=1) * 0.5
+                if CODES:
+                    mid = mid * _pow2(ex)
                 _store_scores(mdst, mid, cnt, cand_ptr, r, c, cm, C, FILL)
         _store_scores(dst, acc, cnt, cand_ptr, r, c, cm, C, FILL)
 
@@ -268,10 +312,11 @@ if HAVE_TRITON:
 
     @triton.jit(do_not_specialize=["H", "C", "NCH"])
     def _topk_chunk_kernel(s_ptr, live_ptr, out_ptr, H, C, NCH, CH: tl.constexpr, KP: tl.constexpr,
-                           HAS_LIVE: tl.constexpr):
+                           HAS_LIVE: tl.constexpr, PDL: tl.constexpr = False):
         """One (row-head rh, chunk of CH columns): the chunk's KP best keys, sorted. Columns at or
         past live[rh // H] score -inf unread; a chunk wholly past it writes its first KP columns'
         -inf keys without sorting (a captured step's table is mostly past the context)."""
+        wait_before_reads(PDL)
         rh = tl.program_id(0)
         ch = tl.program_id(1)
         c0 = ch * CH
@@ -291,13 +336,15 @@ if HAVE_TRITON:
 
     @triton.jit(do_not_specialize=["NCH", "K", "H", "C", "CH", "OUT_STRIDE"])
     def _topk_merge_kernel(key_ptr, live_ptr, out_ptr, exc_ptr, NCH, K, H, C, CH, OUT_STRIDE, KP: tl.constexpr,
-                           NP: tl.constexpr, GROUP: tl.constexpr, EXCLUDE: tl.constexpr = False):
+                           NP: tl.constexpr, GROUP: tl.constexpr, EXCLUDE: tl.constexpr = False,
+                           PDL: tl.constexpr = False):
         """One row-head: the K best of its chunks' keys -> columns, best first, at out_ptr + rh *
         OUT_STRIDE; a pick whose score is -inf comes back as column -1. All NCH chunks' keys in one
         sort of NP, except (GROUP > 0, which takes live_ptr) where at most GROUP chunks hold a
         column below live[rh // H]: then only theirs, one sort of GROUP * KP (past live every key
         is -inf: those picks are -1 either way). EXCLUDE: -inf written at each pick's column of
         another [rows x H, C] score table (exc_ptr), so that a later top-k over it skips them."""
+        wait_before_reads(PDL)
         rh = tl.program_id(0)
         base = key_ptr + rh.to(tl.int64) * NCH * KP
         n = NCH
@@ -321,9 +368,10 @@ if HAVE_TRITON:
 
     @triton.jit(do_not_specialize=["Hkv", "C", "F", "K"])
     def _assemble_kernel(top_ptr, cidx_ptr, cids_ptr, fidx_ptr, fids_ptr, topk_ptr, idx_ptr, ids_ptr, Hkv, C, F, K,
-                         BLOCK: tl.constexpr):
+                         BLOCK: tl.constexpr, PDL: tl.constexpr = False):
         """One (row r, kv head h): list entries 0 .. F-1 are the row's fixed pages, F .. F+K-1 its
         top-k candidates (top: candidate columns); page index -1 where an entry reads nothing."""
+        wait_before_reads(PDL)
         r = tl.program_id(0)
         h = tl.program_id(1)
         rh = r * Hkv + h
@@ -344,10 +392,13 @@ if HAVE_TRITON:
             tl.store(ids_ptr + out, tl.where(fixed, fid, cid), mask=j < n_sel)
 
     @triton.jit(do_not_specialize=["T", "Hkv", "S"])
-    def _summary_rows_kernel(slot_ptr, k_ptr, kmin_ptr, kmax_ptr, ksum_ptr, cnt_ptr, stride_kt, T, Hkv, S,
-                             D: tl.constexpr, HAS_SUM: tl.constexpr = True):
+    def _summary_rows_kernel(slot_ptr, k_ptr, kmin_ptr, kmax_ptr, ksum_ptr, cnt_ptr, kexp_ptr, stride_kt, T, Hkv, S,
+                             D: tl.constexpr, HAS_SUM: tl.constexpr = True, CODES: tl.constexpr = False,
+                             PDL: tl.constexpr = False):
         """Row t, kv head h of a step writing at most one row a page: fold key k[t, h] into its
-        page's summaries (a row 0 starts the page over; HAS_SUM False: no key sums kept)."""
+        page's summaries (a row 0 starts the page over; HAS_SUM False: no key sums kept; CODES: 8-bit
+        kmin / kmax codes at the exponent kexp, raised to cover the new row, kv/summaries.py)."""
+        wait_before_reads(PDL)
         t = tl.program_id(0)
         h = tl.program_id(1)
         slot = tl.load(slot_ptr + t).to(tl.int64)
@@ -356,11 +407,24 @@ if HAVE_TRITON:
         d = tl.arange(0, D)
         x = tl.load(k_ptr + t.to(tl.int64) * stride_kt + h * D + d).to(tl.float32)
         row = (page * Hkv + h) * D + d
-        # summaries in fp32 or (CUDA, 16-bit keys) the keys' dtype: math in fp32, the store rounds
-        kmin = tl.load(kmin_ptr + row).to(tl.float32)
-        kmax = tl.load(kmax_ptr + row).to(tl.float32)
-        tl.store(kmin_ptr + row, tl.where(first, x, tl.minimum(kmin, x)).to(kmin_ptr.dtype.element_ty))
-        tl.store(kmax_ptr + row, tl.where(first, x, tl.maximum(kmax, x)).to(kmax_ptr.dtype.element_ty))
+        if CODES:  # the page's exponent rises to cover x; its codes shift to it (floor / ceil)
+            ex = _exponent(tl.max(tl.abs(x), axis=0))
+            eo = tl.load(kexp_ptr + page * Hkv + h).to(tl.int32)
+            en = tl.where(first, ex, tl.maximum(eo, ex))
+            sh = tl.minimum(en - eo, 31)
+            lo = tl.load(kmin_ptr + row).to(tl.int32) >> sh
+            hi = -((-tl.load(kmax_ptr + row).to(tl.int32)) >> sh)
+            inv = _pow2(-en)
+            xl = tl.floor(x * inv).to(tl.int32)
+            xh = tl.ceil(x * inv).to(tl.int32)
+            tl.store(kmin_ptr + row, tl.where(first, xl, tl.minimum(lo, xl)).to(tl.int8))
+            tl.store(kmax_ptr + row, tl.where(first, xh, tl.maximum(hi, xh)).to(tl.int8))
+            tl.store(kexp_ptr + page * Hkv + h, en.to(tl.int8))
+        else:  # fp32 or (CUDA, 16-bit keys) the keys' dtype: math in fp32, the store rounds
+            kmin = tl.load(kmin_ptr + row).to(tl.float32)
+            kmax = tl.load(kmax_ptr + row).to(tl.float32)
+            tl.store(kmin_ptr + row, tl.where(first, x, tl.minimum(kmin, x)).to(kmin_ptr.dtype.element_ty))
+            tl.store(kmax_ptr + row, tl.where(first, x, tl.maximum(kmax, x)).to(kmax_ptr.dtype.element_ty))
         if HAS_SUM:
             ksum = tl.load(ksum_ptr + row).to(tl.float32)
             tl.store(ksum_ptr + row, (tl.where(first, 0.0, ksum) + x).to(ksum_ptr.dtype.element_ty))
@@ -368,8 +432,9 @@ if HAVE_TRITON:
             tl.store(cnt_ptr + page, tl.where(first, 0, tl.load(cnt_ptr + page)) + 1)
 
 
-# (kmin [P, Hkv, D], kmax [P, Hkv, D] (fp32 / bf16 / fp16), count [P] int32) of one layer of one tier
-SummaryRows = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+# (kmin [P, Hkv, D], kmax [P, Hkv, D] (fp32 / bf16 / fp16), count [P] int32) of one layer of one tier;
+# 8-bit summaries (kv/summaries.py): int8 kmin / kmax codes and a fourth, kexp [P, Hkv] int8
+SummaryRows = tuple[torch.Tensor, ...]
 # (ksum [P, Hkv, D] (fp32 / bf16 / fp16), count [P] int32) of one layer of one tier
 CentroidRows = tuple[torch.Tensor, torch.Tensor]
 
@@ -422,7 +487,8 @@ def assemble_lists(top: torch.Tensor, cand_idx: torch.Tensor, cand_ids: torch.Te
     if r and f + k:
         _assemble_kernel[(r, hkv)](top.contiguous(), cand_idx.contiguous(), cand_ids.contiguous(),
                                    fixed_idx.contiguous(), fixed_ids.contiguous(), top_k.contiguous(), idx, ids, hkv,
-                                   c, f, k, BLOCK=min(128, triton.next_power_of_2(f + k)), num_warps=1)
+                                   c, f, k, BLOCK=min(128, triton.next_power_of_2(f + k)), num_warps=1,
+                                   **pdl.launch_args(top.device))
     return idx, ids
 
 
@@ -458,13 +524,15 @@ def topk_columns(scores: torch.Tensor, k: int, live: torch.Tensor | None = None,
     keys = torch.empty((r * h, nch, kp), dtype=torch.int64, device=scores.device)
     s = scores.contiguous()
     _topk_chunk_kernel[(r * h, nch)](s, live.contiguous() if live is not None else s, keys, h, c, nch, CH=ch, KP=kp,
-                                     HAS_LIVE=live is not None, num_warps=TOPK_CHUNK_WARPS)
+                                     HAS_LIVE=live is not None, num_warps=TOPK_CHUNK_WARPS,
+                                     **pdl.launch_args(s.device))
     group = TOPK_MERGE_GROUP if 0 < TOPK_MERGE_GROUP < nch and live is not None else 0
     np_ = triton.next_power_of_2(nch) * kp
     _topk_merge_kernel[(r * h,)](keys, live.contiguous() if group else keys, out,
                                  exclude if exclude is not None else s, nch, k, h, c, ch, out.stride(1), KP=kp,
                                  NP=np_, GROUP=group, EXCLUDE=exclude is not None,
-                                 num_warps=min(16, max(4, np_ // TOPK_MERGE_KEYS_PER_WARP)))
+                                 num_warps=min(16, max(4, np_ // TOPK_MERGE_KEYS_PER_WARP)),
+                                 **pdl.launch_args(s.device))
     return out
 
 
@@ -514,18 +582,21 @@ def assemble_lists_reference(top: torch.Tensor, cand_idx: torch.Tensor, cand_ids
 
 
 def update_summaries(kmin: torch.Tensor, kmax: torch.Tensor, ksum: torch.Tensor | None, count: torch.Tensor,
-                     slots: torch.Tensor, k: torch.Tensor, page_size: int) -> None:
+                     slots: torch.Tensor, k: torch.Tensor, page_size: int, kexp: torch.Tensor | None = None) -> None:
     """One layer's page summaries (kv/summaries.py: kmin / kmax / ksum [P, Hkv, D] fp32 or 16-bit (ksum
     None: none kept), count [P] int32) take new keys k [T, Hkv, D] at slots [T], for a step that writes at most one row a page
     (a decode step; padding rows sharing a scratch page leave that page's summaries undefined), in
-    one launch; a row 0 starts its page over. PageSummaries.update's scatter path is the reference."""
+    one launch; a row 0 starts its page over; kexp [P, Hkv] int8: kmin / kmax are 8-bit codes at
+    these exponents (kv/summaries.py). PageSummaries.update's scatter path is the reference."""
     t, hkv, d = k.shape
     if t == 0:
         return
     if k.stride(-1) != 1 or k.stride(1) != d:
         k = k.contiguous()
-    _summary_rows_kernel[(t, hkv)](slots, k, kmin, kmax, ksum if ksum is not None else kmin, count, k.stride(0), t,
-                                   hkv, page_size, D=d, HAS_SUM=ksum is not None, num_warps=1)
+    _summary_rows_kernel[(t, hkv)](slots, k, kmin, kmax, ksum if ksum is not None else kmin, count,
+                                   kexp if kexp is not None else count, k.stride(0), t, hkv, page_size, D=d,
+                                   HAS_SUM=ksum is not None, CODES=kexp is not None, num_warps=1,
+                                   **pdl.launch_args(k.device))
 
 
 def _launch_scores(qg: torch.Tensor, dev: tuple, cand_ids: torch.Tensor, host: tuple | None,
@@ -547,14 +618,20 @@ def _launch_scores(qg: torch.Tensor, dev: tuple, cand_ids: torch.Tensor, host: t
     mid = torch.empty_like(out) if midrange else None
     if r == 0 or c == 0:
         return out, mid
-    hmin, hmax, hcnt = host if host is not None else dev  # unused placeholders without a host tier
+    codes = len(dev) == 4
+    if host is not None and len(host) != len(dev):
+        raise ValueError("page scores: the two tiers' summaries must both be 8-bit codes or neither")
+    hmin, hmax, hcnt = host[:3] if host is not None else dev[:3]  # unused placeholders without a host tier
+    kexp = dev[3] if codes else dev[2]  # placeholders without codes
+    hexp = host[3] if codes and host is not None else kexp
     lim = limit.contiguous() if limit is not None else dev[2]  # placeholder without a limit
     cand = cand_idx.contiguous() if cand_idx is not None else cand_ids  # placeholder without one
-    _quest_kernel[(r, hkv, triton.cdiv(c, max(1, SCORE_TILE // d)))](
+    block_c = max(1, (SCORE_TILE_CODES if codes else SCORE_TILE) // d)
+    _quest_kernel[(r, hkv, triton.cdiv(c, block_c))](
         qg.contiguous(), cand_ids.contiguous(), dev[0], dev[1], dev[2], hmin, hmax, hcnt, lim, cand, out,
-        mid if mid is not None else out, hkv, g, c, D=d, BLOCK_C=max(1, SCORE_TILE // d), REDUCE_MAX=reduce_max,
-        HAS_HOST=host is not None, HAS_LIMIT=limit is not None, CENTROID=centroid, FILL=cand_idx is not None,
-        MID=midrange, num_warps=4)
+        mid if mid is not None else out, kexp, hexp, hkv, g, c, D=d, BLOCK_C=block_c,
+        REDUCE_MAX=reduce_max, HAS_HOST=host is not None, HAS_LIMIT=limit is not None, CENTROID=centroid,
+        FILL=cand_idx is not None, MID=midrange, CODES=codes, num_warps=4, **pdl.launch_args(qg.device))
     return out, mid
 
 
@@ -568,14 +645,26 @@ def _candidate_rows(dev: tuple, host: tuple | None, cand_ids: torch.Tensor, i: i
     return torch.where((cand_ids < 0).view(*cand_ids.shape, *([1] * (got.dim() - 2))), other, got)
 
 
+def _candidate_bounds(dev: SummaryRows, host: SummaryRows | None, cand_ids: torch.Tensor
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(kmin, kmax [R, C, Hkv, D] fp32, count [R, C], scale [R, Hkv, C]) of the candidates: 8-bit
+    summaries give their codes and 2^e (the kernel's sums run over codes), others a scale of 1."""
+    kmin, kmax, cnt = (_candidate_rows(dev, host, cand_ids, i) for i in range(3))  # [R, C, Hkv, D] x 2, [R, C]
+    if len(dev) == 4:
+        from kvtier.kv.summaries import pow2
+        scale = pow2(_candidate_rows(dev, host, cand_ids, 3).to(torch.int32)).transpose(1, 2)
+    else:
+        scale = torch.ones((), dtype=torch.float32, device=kmin.device)
+    return kmin.float(), kmax.float(), cnt, scale
+
+
 def quest_scores_reference(qg: torch.Tensor, dev: SummaryRows, cand_ids: torch.Tensor, reduce_max: bool = False,
                            host: SummaryRows | None = None) -> torch.Tensor:
     """quest_scores in PyTorch (same arguments), the bound written as in the kernel."""
-    kmin, kmax, cnt = (_candidate_rows(dev, host, cand_ids, i) for i in range(3))  # [R, C, Hkv, D] x 2, [R, C]
-    kmin, kmax = kmin.float(), kmax.float()
+    kmin, kmax, cnt, scale = _candidate_bounds(dev, host, cand_ids)
     q = qg.float()[:, :, :, None, :]  # [R, Hkv, G, 1, D]
     bound = torch.maximum(q * kmin.permute(0, 2, 1, 3)[:, :, None], q * kmax.permute(0, 2, 1, 3)[:, :, None]).sum(-1)
-    s = bound.amax(2) if reduce_max else bound.sum(2)  # [R, Hkv, C]
+    s = (bound.amax(2) if reduce_max else bound.sum(2)) * scale  # [R, Hkv, C]
     return s.masked_fill((cnt == 0)[:, None, :], float("inf"))
 
 
@@ -583,9 +672,8 @@ def midrange_scores_reference(qg: torch.Tensor, dev: SummaryRows, cand_ids: torc
                               host: SummaryRows | None = None) -> torch.Tensor:
     """quest_scores(midrange=True)'s second result in PyTorch (no limit): the group's summed q .
     each candidate page's (kmin + kmax) / 2."""
-    kmin, kmax, cnt = (_candidate_rows(dev, host, cand_ids, i) for i in range(3))
-    mid = (kmin.float() + kmax.float()) * 0.5
-    s = torch.einsum("rhd,rchd->rhc", qg.float().sum(2), mid)
+    kmin, kmax, cnt, scale = _candidate_bounds(dev, host, cand_ids)
+    s = torch.einsum("rhd,rchd->rhc", qg.float().sum(2), (kmin + kmax) * 0.5) * scale
     return s.masked_fill((cnt == 0)[:, None, :], float("inf"))
 
 

@@ -32,6 +32,21 @@ Memory: ((2 * itemsize + 4) * kv_heads * head_dim + 4) bytes per page per layer,
 the memory plan): Qwen2.5-1.5B (2 kv heads x 128) in fp32
 3,076 B a page-layer against 16 KiB of bf16 K/V for a 16-token page (19%).
 
+8-bit summaries (`summary_dtype(..., bits=8)`, `--kvmem-summary-bits 8`): kmin / kmax are int8
+codes and `kexp` [L, P, Hkv] int8 holds a power-of-two exponent e per page and kv head, so that
+
+    kmin = cmin * 2^e <= every key's channel,   kmax = cmax * 2^e >= it
+
+with cmin = floor(min / 2^e), cmax = ceil(max / 2^e) and e = `exponents(max |key|)`, the least
+e >= E_MIN with max |key| <= 127 * 2^e. Rounded outward, the Quest bound above still holds for
+every key of the page (a little looser); the midrange selector reads the same codes. Because
+2^e only grows as rows arrive and floor(floor(y) / 2^s) = floor(y / 2^s), a page folded in row
+by row (decode: a new row raises e by s, the old codes shift right by s, floor / ceil) ends with
+the codes computed from all its keys at once: the summaries do not depend on how the rows were
+chunked, so a page's are the same whichever path or tier wrote it. 2 + 1 / D bytes a key channel
+instead of 4 (bf16): a 256K Qwen3-8B context's min / max 2.42 GB -> 1.22 GB, read by every decode
+step's scoring.
+
 Pages moving between tiers take their summaries with them (`copy_rows`): a host tier has its own
 PageSummaries, kept on the compute device (the selection scores host pages without touching them),
 filled when pages are copied down and read back when they are copied up, so a page's summary is
@@ -44,8 +59,19 @@ from __future__ import annotations
 import torch
 
 
-def summary_dtype(device: torch.device | str, key_dtype: torch.dtype) -> torch.dtype:
-    """The summaries' dtype for keys of `key_dtype` on `device` (module docstring)."""
+# Least exponent of 8-bit summaries (module docstring): pages whose keys are all below 127 * 2^E_MIN
+# in magnitude share it (their codes round outward to -1 / 0 / 1).
+E_MIN = -100
+SUMMARY_BITS = (8, 16)
+
+
+def summary_dtype(device: torch.device | str, key_dtype: torch.dtype, bits: int = 16) -> torch.dtype:
+    """The summaries' dtype for keys of `key_dtype` on `device` (module docstring): bits 8, int8
+    codes; 16, on CUDA with 16-bit keys the keys' own dtype, else fp32."""
+    if bits not in SUMMARY_BITS:
+        raise ValueError(f"summary bits must be one of {SUMMARY_BITS}, got {bits}")
+    if bits == 8:
+        return torch.int8
     if torch.device(device).type == "cuda" and key_dtype in (torch.bfloat16, torch.float16):
         return key_dtype
     return torch.float32
@@ -54,9 +80,39 @@ def summary_dtype(device: torch.device | str, key_dtype: torch.dtype) -> torch.d
 def summary_bytes_per_token(kv_heads: int, head_dim: int, page_size: int, num_layers: int,
                             dtype: torch.dtype, sums: bool = True) -> float:
     """Summary bytes per context token, all layers (the memory plan counts them on the GPU);
-    sums: the key sums kept too."""
+    sums: the key sums kept too; int8 `dtype`: codes and a one-byte exponent per kv head."""
     item = torch.empty((), dtype=dtype).element_size()
-    return num_layers * ((2 * item + 4 * sums) * kv_heads * head_dim + 4) / page_size
+    exps = kv_heads if dtype == torch.int8 else 0
+    return num_layers * ((2 * item + 4 * sums) * kv_heads * head_dim + exps + 4) / page_size
+
+
+def pow2(e: torch.Tensor) -> torch.Tensor:
+    """2^e, exactly, in fp32 (e: integer tensor within -126 .. 127): its bits built directly."""
+    return ((e.to(torch.int32) + 127) << 23).view(torch.float32)
+
+
+def exponents(amax: torch.Tensor) -> torch.Tensor:
+    """The least e >= E_MIN with amax <= 127 * 2^e (amax >= 0, fp32) -> int32, as the kernels
+    (kernels/retrieval_attention.py _exponent) compute it: from amax's binary exponent x (amax in
+    [2^(x-1), 2^x); x = -126 below the normal range), e is x - 7 or x - 6."""
+    amax = amax.float()
+    x = torch.frexp(amax).exponent.to(torch.int32)
+    x = torch.where(amax < 2.0 ** -126, -126, x)
+    e0 = (x - 7).clamp_min(E_MIN)
+    return e0 + (amax > 127.0 * pow2(e0)).to(torch.int32)
+
+
+def encode_bounds(lo: torch.Tensor, hi: torch.Tensor, e: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(floor(lo / 2^e), ceil(hi / 2^e)) as int32 codes; lo / hi [..., D] fp32, e [...] int32."""
+    inv = pow2(-e)[..., None]
+    return torch.floor(lo * inv).to(torch.int32), torch.ceil(hi * inv).to(torch.int32)
+
+
+def shift_codes(cmin: torch.Tensor, cmax: torch.Tensor, s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Codes at exponent e -> at e + s (s >= 0, [...] int32; codes [..., D] int32): floor / ceil of
+    code / 2^s, which equals the codes computed from the keys at e + s (module docstring)."""
+    s = s.clamp(0, 31)[..., None]
+    return cmin >> s, -((-cmax) >> s)
 
 
 class PageSummaries:
@@ -72,29 +128,47 @@ class PageSummaries:
         self.head_dim, self.page_size = head_dim, page_size
         self.device = torch.device(device)
         shape = (num_layers, num_pages, kv_heads, head_dim)
-        self.kmin = torch.full(shape, float("inf"), dtype=dtype, device=self.device)
-        self.kmax = torch.full(shape, float("-inf"), dtype=dtype, device=self.device)
+        # 8-bit codes (module docstring): empty pages are recognised by count == 0, not by +-inf
+        self.codes = dtype == torch.int8
+        lo, hi = (0, 0) if self.codes else (float("inf"), float("-inf"))
+        self.kmin = torch.full(shape, lo, dtype=dtype, device=self.device)
+        self.kmax = torch.full(shape, hi, dtype=dtype, device=self.device)
+        self.kexp = torch.full(shape[:3], E_MIN, dtype=torch.int8, device=self.device) if self.codes else None
         # fp32 always (docstring); None where no selector reads them
         self.ksum = torch.zeros(shape, dtype=torch.float32, device=self.device) if sums else None
         self.count = torch.zeros(num_layers, num_pages, dtype=torch.int32, device=self.device)
         self._step: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # (slots, pages, reset)
 
     @classmethod
-    def for_pool(cls, pool: object, sums: bool = True) -> "PageSummaries":
+    def for_pool(cls, pool: object, sums: bool = True, bits: int = 16) -> "PageSummaries":
         """Summaries shaped for a PagePool (kv/pool.py), on its device, in `summary_dtype`."""
-        return cls.like(pool, pool.num_pages, pool.device, sums)  # type: ignore[attr-defined]
+        return cls.like(pool, pool.num_pages, pool.device, sums, bits)  # type: ignore[attr-defined]
 
     @classmethod
-    def like(cls, pool: object, num_pages: int, device: torch.device | str, sums: bool = True) -> "PageSummaries":
+    def like(cls, pool: object, num_pages: int, device: torch.device | str, sums: bool = True,
+             bits: int = 16) -> "PageSummaries":
         """Summaries of `num_pages` pages of `pool`'s geometry on `device` (a host tier's: on the
-        compute device); sums: keep the key sums."""
+        compute device); sums: keep the key sums; bits: 8 for int8 codes (module docstring)."""
         p = pool
         return cls(p.num_layers, num_pages, p.kv_heads, p.head_dim, p.page_size, device,  # type: ignore[attr-defined]
-                   summary_dtype(device, p.compute_dtype), sums)  # type: ignore[attr-defined]
+                   summary_dtype(device, p.compute_dtype, bits), sums)  # type: ignore[attr-defined]
 
     @property
     def sums(self) -> bool:
         return self.ksum is not None
+
+    @property
+    def bits(self) -> int:
+        return 8 if self.codes else 16
+
+    def bounds(self, layer: int, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(kmin, kmax) of pages `ids` [...] of one layer as fp32 [..., Hkv, D] (8-bit codes
+        scaled by their 2^e: exact)."""
+        lo, hi = self.kmin[layer][ids].float(), self.kmax[layer][ids].float()
+        if not self.codes:
+            return lo, hi
+        scale = pow2(self.kexp[layer][ids].to(torch.int32))[..., None]  # type: ignore[index]
+        return lo * scale, hi * scale
 
     def bytes_per_page_layer(self) -> int:
         return int(summary_bytes_per_token(self.kv_heads, self.head_dim, 1, 1, self.kmin.dtype, self.sums))
@@ -113,9 +187,12 @@ class PageSummaries:
             from kvtier.kernels.retrieval_attention import HAVE_TRITON, update_summaries
             if HAVE_TRITON:
                 update_summaries(self.kmin[layer], self.kmax[layer], self._sums(layer), self.count[layer], slots, k,
-                                 self.page_size)
+                                 self.page_size, self.kexp[layer] if self.kexp is not None else None)
                 return
         pages, reset = self._written(layer, slots)
+        if self.codes:
+            self._update_codes(layer, pages, reset, k)
+            return
         kmin, kmax, ksum, count = self.kmin[layer], self.kmax[layer], self._sums(layer), self.count[layer]
         # only the written pages are read and rewritten (the whole layer's summaries were, per step)
         for field, empty in ((kmin, float("inf")), (kmax, float("-inf")), (ksum, 0.0)):
@@ -130,6 +207,36 @@ class PageSummaries:
         if ksum is not None:
             ksum.view(self.num_pages, -1).index_add_(0, pages, flat)
         count.index_add_(0, pages, torch.ones_like(pages, dtype=torch.int32))
+
+    def _update_codes(self, layer: int, pages: torch.Tensor, reset: torch.Tensor, k: torch.Tensor) -> None:
+        """update()'s scatter path for 8-bit codes (module docstring): each written page's exponent
+        becomes the max of its old one (unless the page starts over) and its new rows'; its old codes
+        shift to it; the new rows' codes fold in by scatter min / max."""
+        kmin, kmax, kexp, count = self.kmin[layer], self.kmax[layer], self.kexp[layer], self.count[layer]  # type: ignore[index]
+        t, hkv, d = k.shape
+        kf = k.float()
+        old = (~reset) & (count.index_select(0, pages) > 0)  # [T] the page keeps its earlier rows
+        e_old = kexp.index_select(0, pages).to(torch.int32)  # [T, Hkv]
+        e_all = kexp.to(torch.int32)  # [P, Hkv]: the written pages' new exponents, scattered
+        e_all.index_copy_(0, pages, torch.where(old[:, None], e_old, E_MIN))
+        e_all.scatter_reduce_(0, pages[:, None].expand(t, hkv), exponents(kf.abs().amax(-1)), "amax")
+        e_new = e_all.index_select(0, pages)  # [T, Hkv]
+        lo, hi = shift_codes(kmin.index_select(0, pages).to(torch.int32), kmax.index_select(0, pages).to(torch.int32),
+                             e_new - e_old)
+        keep = old[:, None, None]
+        kmin.index_copy_(0, pages, torch.where(keep, lo, 127).to(torch.int8))  # 127 / -127: no rows yet
+        kmax.index_copy_(0, pages, torch.where(keep, hi, -127).to(torch.int8))
+        kexp.index_copy_(0, pages, e_new.to(torch.int8))
+        lo, hi = encode_bounds(kf, kf, e_new)  # [T, Hkv, D]
+        idx = pages[:, None].expand(t, hkv * d)
+        kmin.view(self.num_pages, -1).scatter_reduce_(0, idx, lo.view(t, -1).to(torch.int8), "amin")
+        kmax.view(self.num_pages, -1).scatter_reduce_(0, idx, hi.view(t, -1).to(torch.int8), "amax")
+        count.index_copy_(0, pages, count.index_select(0, pages).masked_fill(reset, 0))
+        count.index_add_(0, pages, torch.ones_like(pages, dtype=torch.int32))
+        if self.ksum is not None:
+            ksum = self.ksum[layer]
+            ksum.index_copy_(0, pages, ksum.index_select(0, pages).masked_fill(reset[:, None, None], 0.0))
+            ksum.view(self.num_pages, -1).index_add_(0, pages, kf.reshape(t, -1))
 
     def _written(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(pages [T], reset [T]) of the rows a step writes: each row's page, and whether that page
@@ -154,8 +261,15 @@ class PageSummaries:
         valid = torch.arange(self.page_size, device=k.device)[None, :] < rows[:, None]  # [P, S]
         m = valid[:, None, :, None]
         kf, dt = k.float(), self.kmin.dtype
-        self.kmin[layer, page_ids] = kf.masked_fill(~m, float("inf")).amin(dim=2).to(dt)
-        self.kmax[layer, page_ids] = kf.masked_fill(~m, float("-inf")).amax(dim=2).to(dt)
+        lo, hi = kf.masked_fill(~m, float("inf")).amin(dim=2), kf.masked_fill(~m, float("-inf")).amax(dim=2)
+        if self.codes:  # [P, Hkv, D] -> codes at each (page, head)'s exponent; empty pages: zeros
+            some = (rows > 0)[:, None, None]
+            lo, hi = torch.where(some, lo, 0.0), torch.where(some, hi, 0.0)
+            e = exponents(torch.maximum(lo.abs(), hi.abs()).amax(-1))
+            lo, hi = encode_bounds(lo, hi, e)
+            self.kexp[layer, page_ids] = e.to(torch.int8)  # type: ignore[index]
+        self.kmin[layer, page_ids] = lo.to(dt)
+        self.kmax[layer, page_ids] = hi.to(dt)
         if self.ksum is not None:
             self.ksum[layer, page_ids] = kf.masked_fill(~m, 0.0).sum(dim=2)
         self.count[layer, page_ids] = rows.to(torch.int32)
@@ -168,7 +282,9 @@ class PageSummaries:
         si, di = src_ids.to(src.device), dst_ids.to(self.device)
         if self.sums and not src.sums:
             raise ValueError("copy_rows: these summaries keep key sums, the source does not")
-        for name in ("kmin", "kmax", "ksum", "count"):
+        if self.codes != src.codes:
+            raise ValueError("copy_rows between 8-bit and 16/32-bit summaries")
+        for name in ("kmin", "kmax", "kexp", "ksum", "count"):
             dst = getattr(self, name)
             if dst is not None:
                 dst[:, di] = getattr(src, name)[:, si].to(self.device, dst.dtype)

@@ -109,7 +109,8 @@ class RetrievalAttention:
             from kvtier.layers.backends import TritonPagedAttention
             self.full = TritonPagedAttention(store, scale, host_store)
         # key sums only for the selectors that read them (config.SUM_SELECTORS)
-        self.summaries = summaries if summaries is not None else PageSummaries.for_pool(store, config.key_sums)
+        self.summaries = (summaries if summaries is not None
+                          else PageSummaries.for_pool(store, config.key_sums, config.summary_bits))
         self.record = record
         self.num_sms = (torch.cuda.get_device_properties(store.device).multi_processor_count
                         if store.device.type == "cuda" else 4)
@@ -144,7 +145,7 @@ class RetrievalAttention:
             return
         st = self.store
         self.host_summaries = PageSummaries.like(st, host_store.num_pages, st.device,  # type: ignore[attr-defined]
-                                                 self.summaries.sums)
+                                                 self.summaries.sums, self.summaries.bits)
         self.host_cache = HostPageCache(st.num_layers, FETCH_CACHE_BUDGETS * self.budget_pages)
         self.hot = None
         if self.host_alts is not None and self.hot_range is not None:
@@ -695,11 +696,15 @@ def summary_rows(summaries: PageSummaries, host: PageSummaries | None, name: str
                  ids: torch.Tensor) -> torch.Tensor:
     """Field `name` (kmin, kmax, ksum, count) of pages `ids` of one layer, a page of either tier
     (negative ids: host_ref(h) = -1 - h, looked up in `host`) -> [*ids.shape, *field dims]."""
-    rows = getattr(summaries, name)[layer]
+    def one(s: PageSummaries, i: torch.Tensor) -> torch.Tensor:
+        if s.codes and name in ("kmin", "kmax"):  # 8-bit codes: their values, codes x 2^e
+            return s.bounds(layer, i)[name == "kmax"]
+        return getattr(s, name)[layer][i]
+
     if host is None:
-        return rows[ids]
-    g = rows[ids.clamp_min(0)]
-    h = getattr(host, name)[layer][(-1 - ids).clamp_min(0)]
+        return one(summaries, ids)
+    g = one(summaries, ids.clamp_min(0))
+    h = one(host, (-1 - ids).clamp_min(0))
     return torch.where((ids < 0).view(*ids.shape, *([1] * (g.dim() - ids.dim()))), h, g)
 
 
@@ -709,7 +714,9 @@ def layer_quest_scores(qg: torch.Tensor, summaries: PageSummaries, host: PageSum
     """kernels/retrieval_attention.py quest_scores over one layer's summaries of both tiers (its
     arguments and result)."""
     from kvtier.kernels.retrieval_attention import quest_scores
-    rows = lambda t: (t.kmin[layer], t.kmax[layer], t.count[layer])  # noqa: E731
+    def rows(t: PageSummaries) -> tuple[torch.Tensor, ...]:
+        got = (t.kmin[layer], t.kmax[layer], t.count[layer])
+        return got + (t.kexp[layer],) if t.kexp is not None else got  # 8-bit codes: their exponents
     return quest_scores(qg, rows(summaries), cand_ids, reduce_max, rows(host) if host is not None else None, limit,
                         cand_idx, midrange=midrange)
 
@@ -737,7 +744,7 @@ def page_scores(selector: str, qg: torch.Tensor, summaries: PageSummaries, layer
         return centroid_scores(qg, rows(summaries), cand_ids, rows(host) if host is not None else None, limit,
                                cand_idx)
     qg = qg.float()
-    if (selector in ("quest", "quest-max") and host is None
+    if (selector in ("quest", "quest-max") and host is None and not summaries.codes
             and (ops := cpu_ops.usable(qg, summaries.kmin)) is not None):
         # CPU: one C++ pass over the candidates' summary rows (no gathered copies)
         return ops.quest_scores(qg, summaries.kmin[layer], summaries.kmax[layer], summaries.count[layer], cand_ids,

@@ -116,16 +116,20 @@ def test_graph_formulation_equals_eager_selection(monkeypatch, selector):
     assert eng.runner.backend.pin_buf is not None  # the graph formulation ran
 
 
-@pytest.mark.parametrize("kv_dtype,selector", [("auto", "hybrid"), ("int8", "hybrid"), ("auto", "hybrid-mid")])
-def test_graph_formulation_host_tier_forced_equals_one_big_pool(graph_formulation, kv_dtype, selector):
+@pytest.mark.parametrize("kv_dtype,selector,bits", [("auto", "hybrid", 16), ("int8", "hybrid", 16),
+                                                   ("auto", "hybrid-mid", 16), ("auto", "hybrid-mid", 8),
+                                                   ("int8", "quest", 8)])
+def test_graph_formulation_host_tier_forced_equals_one_big_pool(graph_formulation, kv_dtype, selector, bits):
+    """bits 8: the 8-bit summaries travel with their pages between the tiers (kv/summaries.py)."""
     model = tiny_model()
-    cfg = RetrievalConfig(budget=48, sink=4, window=16, selector=selector)
+    cfg = RetrievalConfig(budget=48, sink=4, window=16, selector=selector, summary_bits=bits)
     ref = generate(engine(model, cfg, prefill_chunk=16, max_batch=1, kv_dtype=kv_dtype))
     eng = engine(model, cfg, prefill_chunk=16, max_batch=1, num_pages=14, host_kv_mib=1, kv_dtype=kv_dtype)
     assert generate(eng) == ref
     assert eng.manager.stats()["offloads"] > 0 and eng.runner.backend.pin_buf is not None
     backend = eng.runner.backend  # hybrid-mid keeps no key sums, in either tier
-    assert (backend.summaries.ksum is None) == (backend.host_summaries.ksum is None) == (selector == "hybrid-mid")
+    assert (backend.summaries.ksum is None) == (backend.host_summaries.ksum is None) == (selector != "hybrid")
+    assert backend.summaries.codes == backend.host_summaries.codes == (bits == 8)
 
 
 def test_gpu_cache_needs_cuda_and_says_so(caplog):

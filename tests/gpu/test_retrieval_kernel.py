@@ -139,6 +139,7 @@ def test_selection_glue_kernels_match_references_cuda(seed: int) -> None:
     interp_cases.check_assemble(ra, seed=1100 + seed, device="cuda")
     interp_cases.check_update_summaries(ra, seed=1200 + seed, device="cuda")
     interp_cases.check_update_summaries(ra, seed=1300 + seed, device="cuda", dtype=torch.bfloat16)
+    interp_cases.check_update_codes(ra, seed=1500 + seed, device="cuda")
 
 
 @pytest.mark.parametrize("r,h,c,k", [(1, 8, 16386, 56), (2, 8, 16386, 112), (3, 4, 4352, 128), (1, 2, 70000, 200),
@@ -152,7 +153,8 @@ def test_topk_columns_matches_reference_cuda(r: int, h: int, c: int, k: int) -> 
 
 
 def test_quest_scores_bf16_summaries_cuda() -> None:
-    """quest_scores / centroid_scores over bf16 summaries (and fp32) == their references, on CUDA."""
+    """quest_scores / centroid_scores over bf16 summaries (and fp32, and 8-bit codes) == their
+    references, on CUDA."""
     from kvtier.kernels import retrieval_attention as ra
     for i, (hkv, g, d, with_host) in enumerate(interp_cases.SCORE_CASES):
         interp_cases.check_quest_scores(_CudaRA(ra), hkv, g, d, with_host, seed=600 + i)
@@ -296,6 +298,18 @@ def test_backend_wired_to_kernel_matches_its_torch_path(name: str, gqa: int) -> 
     the same step through its PyTorch path (kernel=False) gives the same rows."""
     args = (name, 4, gqa, PS, 128, [700, 90, 1500, 330])
     kw = dict(budget=256, dtype=torch.bfloat16, device="cuda", seed=gqa)
+    ref = cases.retrieval_step(*args, kernel=False, **kw)
+    got = cases.retrieval_step(*args, kernel=True, **kw)
+    assert ref.q.shape[0] == 3 and torch.equal(ref.q, got.q)
+    torch.testing.assert_close(got.out.float(), ref.out.float(), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("selector", ["hybrid-mid", "quest"])
+def test_backend_with_8bit_summaries_matches_its_torch_path(selector: str) -> None:
+    """8-bit summaries (kv/summaries.py): the engine's kernel path (the update kernel, the scorer
+    over codes) selects and attends as the PyTorch path over the same codes does."""
+    args = ("k8v4", 4, 4, PS, 128, [700, 90, 1500, 330])
+    kw = dict(budget=256, dtype=torch.bfloat16, device="cuda", seed=5, selector=selector, summary_bits=8)
     ref = cases.retrieval_step(*args, kernel=False, **kw)
     got = cases.retrieval_step(*args, kernel=True, **kw)
     assert ref.q.shape[0] == 3 and torch.equal(ref.q, got.q)

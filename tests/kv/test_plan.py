@@ -199,6 +199,11 @@ def test_retrieval_summaries_count_on_the_gpu() -> None:
     spt_bare = spec.num_layers * (2 * 2 * spec.num_kv_heads * spec.head_dim + 4) / 16
     assert abs(bare.summary_bytes - (bare.gpu_kv_tokens + bare.host_kv_tokens) * spt_bare) < MIB
     assert bare.fits and bare.gpu_kv_tokens > p.gpu_kv_tokens and bare.summary_bytes < 0.6 * p.summary_bytes
+    # 8-bit min / max (--kvmem-summary-bits 8): codes and an exponent a kv head; the room to the pool
+    lean = make_plan(spec, "k8v4", 262144, 12 * GIB, None, held=held, retrieval=True, key_sums=False, summary_bits=8)
+    spt_lean = spec.num_layers * (2 * spec.num_kv_heads * spec.head_dim + spec.num_kv_heads + 4) / 16
+    assert abs(lean.summary_bytes - (lean.gpu_kv_tokens + lean.host_kv_tokens) * spt_lean) < MIB
+    assert lean.fits and lean.gpu_kv_tokens > bare.gpu_kv_tokens and lean.summary_bytes < 0.52 * bare.summary_bytes
     # serve's check sizes the pools from this plan
     cfg = EngineConfig(device="cuda", max_model_len=262144, cache=CacheConfig(kv_dtype="k8v4"),
                        retrieval=replace(EngineConfig().retrieval, budget=2048))

@@ -372,12 +372,12 @@ class RetrievalStep:
 
 def retrieval_step(name: str, kv_heads: int, gqa: int, page_size: int, head_dim: int, ctx_lens: list[int],
                    budget: int, dtype: torch.dtype, device: str, seed: int,
-                   kernel: bool | None = None, selector: str = "quest") -> RetrievalStep:
+                   kernel: bool | None = None, selector: str = "quest", summary_bits: int = 16) -> RetrievalStep:
     """Sequences of ctx_lens on shuffled pages, history written as one prefill each (sink rows and
     summaries as the engine writes them), then one decode row each through RetrievalAttention
     (`selector`, sink 1 token, window 1 page): every row with ctx > budget selects. kernel: None
     records the selection (PyTorch path; RetrievalStep.sel); True / False attend through the
-    kernel or the PyTorch path without recording (sel is None)."""
+    kernel or the PyTorch path without recording (sel is None). summary_bits: 8 for int8 summaries."""
     from kvtier.config import RetrievalConfig
     from kvtier.layers.attention import AttentionMetadata
     from kvtier.layers.retrieval import RetrievalAttention
@@ -386,8 +386,8 @@ def retrieval_step(name: str, kv_heads: int, gqa: int, page_size: int, head_dim:
     num_pages = sum(need) + SPARE_PAGES
     pool = PagePool(make_format(name), 1, num_pages, kv_heads, page_size, head_dim, device, compute_dtype=dtype)
     scale = head_dim ** -0.5
-    att = RetrievalAttention(pool, scale, RetrievalConfig(budget=budget, sink=1, window=page_size, selector=selector),
-                             record=kernel is None, kernel=bool(kernel))
+    config = RetrievalConfig(budget=budget, sink=1, window=page_size, selector=selector, summary_bits=summary_bits)
+    att = RetrievalAttention(pool, scale, config, record=kernel is None, kernel=bool(kernel))
     free = torch.randperm(num_pages, generator=g).tolist()
     tables = [[free.pop() for _ in range(n)] for n in need]
     hq = kv_heads * gqa

@@ -106,18 +106,25 @@ def test_store_kernels_compile(name: str, block: int) -> None:
 def test_selection_kernels_compile() -> None:
     pytest.importorskip("triton")
     import kvtier.kernels.retrieval_attention as ra
-    for mid, reduce_max in ((False, False), (True, False), (False, True)):  # hybrid-mid: midrange from the same reads
-        _compile(ra._quest_kernel, {"q_ptr": "*bf16", "ids_ptr": "*i64", "kmin_ptr": "*bf16", "kmax_ptr": "*bf16",
-                                    "cnt_ptr": "*i32", "hmin_ptr": "*bf16", "hmax_ptr": "*bf16", "hcnt_ptr": "*i32",
-                                    "lim_ptr": "*i64", "cand_ptr": "*i64", "out_ptr": "*fp32", "mid_ptr": "*fp32"},
+    # hybrid-mid: midrange from the same reads; 8-bit summaries (codes, an exponent a page and head)
+    for mid, reduce_max, codes in ((False, False, False), (True, False, False), (False, True, False),
+                                   (True, False, True), (False, True, True)):
+        summ = "*i8" if codes else "*bf16"
+        _compile(ra._quest_kernel, {"q_ptr": "*bf16", "ids_ptr": "*i64", "kmin_ptr": summ, "kmax_ptr": summ,
+                                    "cnt_ptr": "*i32", "hmin_ptr": summ, "hmax_ptr": summ, "hcnt_ptr": "*i32",
+                                    "lim_ptr": "*i64", "cand_ptr": "*i64", "out_ptr": "*fp32", "mid_ptr": "*fp32",
+                                    "kexp_ptr": "*i8", "hexp_ptr": "*i8"},
                  dict(D=128, BLOCK_C=ra.SCORE_TILE // 128, REDUCE_MAX=reduce_max, HAS_HOST=True, HAS_LIMIT=True,
-                      CENTROID=False, FILL=True, MID=mid))
+                      CENTROID=False, FILL=True, MID=mid, CODES=codes))
     _compile(ra._assemble_kernel, {n: "*i64" for n in ("top_ptr", "cidx_ptr", "cids_ptr", "fidx_ptr", "fids_ptr",
                                                        "topk_ptr", "idx_ptr", "ids_ptr")}, dict(BLOCK=128), warps=1)
     for has_sum in (True, False):
         _compile(ra._summary_rows_kernel, {"slot_ptr": "*i64", "k_ptr": "*bf16", "kmin_ptr": "*fp32",
                                            "kmax_ptr": "*fp32", "ksum_ptr": "*fp32", "cnt_ptr": "*i32"},
-                 dict(D=128, HAS_SUM=has_sum), warps=1)
+                 dict(D=128, HAS_SUM=has_sum, CODES=False), warps=1)
+    _compile(ra._summary_rows_kernel, {"slot_ptr": "*i64", "k_ptr": "*bf16", "kmin_ptr": "*i8", "kmax_ptr": "*i8",
+                                       "ksum_ptr": "*i8", "cnt_ptr": "*i32", "kexp_ptr": "*i8"},
+             dict(D=128, HAS_SUM=False, CODES=True), warps=1)
     _compile(ra._topk_chunk_kernel, {"s_ptr": "*fp32", "live_ptr": "*i64", "out_ptr": "*i64"},
              dict(CH=1024, KP=64, HAS_LIVE=True), warps=ra.TOPK_CHUNK_WARPS)
     # one sort of every chunk's picks; with few live chunks, theirs only; striking the picks from
@@ -172,6 +179,12 @@ def test_pdl_kernels_wait_before_reading() -> None:
     pdl = dict(PDL=True)
     gemv = _compile(wk._gemv_kernel, GEMV_PTRS, _gemv_const(4, VEC_X=True, **pdl), stages=1, launch_pdl=True)
     assert _loads_before_wait(gemv) > 0
+    # the skinny kernel (8-bit weights at decode, SkinnyConfig.pdl): its first codes and groups
+    skinny = _compile(wq._skinny_kernel, GEMV_PTRS,
+                      dict(BITS=8, GROUP=32, HAS_MINS=False, HAS_BIAS=False, HAS_RES=True, BLOCK_N=32, BLOCK_M=1,
+                           BLOCK_K=256, PARTIAL=False, USE_DOT=False, GROUP_SCALE=True, WORDS=True, CVT=2,
+                           PREFETCH=True, DOT_PREC="tf32", **pdl), stages=3, launch_pdl=True)
+    assert _loads_before_wait(skinny) > 0
     pages, store = _store_args("k8v4", 1)
     split = pa.split_constants(make_format("k8v4"), 128, 16, 4, torch.bfloat16, True, False, 64, None)
     others = [
@@ -187,6 +200,25 @@ def test_pdl_kernels_wait_before_reading() -> None:
                  dict(H=4096, BLOCK=1024, **pdl), floats=("eps", "inv_h"), launch_pdl=True),
         _compile(fu._silu_mul_kernel, {"gu_ptr": "*bf16", "out_ptr": "*bf16"},
                  dict(BLOCK=fu.SILU_BLOCK, EXACT_MATH=True, **pdl), launch_pdl=True),
+    ]
+    import kvtier.kernels.retrieval_attention as ra  # a retrieval step's selection chain
+    others += [
+        _compile(ra._summary_rows_kernel, {"slot_ptr": "*i64", "k_ptr": "*bf16", "kmin_ptr": "*bf16",
+                                           "kmax_ptr": "*bf16", "ksum_ptr": "*bf16", "cnt_ptr": "*i32"},
+                 dict(D=128, HAS_SUM=False, CODES=False, **pdl), warps=1, launch_pdl=True),
+        _compile(ra._quest_kernel, {"q_ptr": "*bf16", "ids_ptr": "*i64", "kmin_ptr": "*i8", "kmax_ptr": "*i8",
+                                    "cnt_ptr": "*i32", "hmin_ptr": "*i8", "hmax_ptr": "*i8", "hcnt_ptr": "*i32",
+                                    "lim_ptr": "*i64", "cand_ptr": "*i64", "out_ptr": "*fp32", "mid_ptr": "*fp32",
+                                    "kexp_ptr": "*i8", "hexp_ptr": "*i8"},
+                 dict(D=128, BLOCK_C=ra.SCORE_TILE // 128, REDUCE_MAX=False, HAS_HOST=True, HAS_LIMIT=True,
+                      CENTROID=False, FILL=True, MID=True, CODES=True, **pdl), launch_pdl=True),
+        _compile(ra._topk_chunk_kernel, {"s_ptr": "*fp32", "live_ptr": "*i64", "out_ptr": "*i64"},
+                 dict(CH=1024, KP=64, HAS_LIVE=True, **pdl), warps=ra.TOPK_CHUNK_WARPS, launch_pdl=True),
+        _compile(ra._topk_merge_kernel, {"key_ptr": "*i64", "live_ptr": "*i64", "out_ptr": "*i64", "exc_ptr": "*fp32"},
+                 dict(KP=64, NP=32 * 64, GROUP=4, EXCLUDE=True, **pdl), warps=16, launch_pdl=True),
+        _compile(ra._assemble_kernel, {n: "*i64" for n in ("top_ptr", "cidx_ptr", "cids_ptr", "fidx_ptr", "fids_ptr",
+                                                           "topk_ptr", "idx_ptr", "ids_ptr")},
+                 dict(BLOCK=128, **pdl), warps=1, launch_pdl=True),
     ]
     assert [_loads_before_wait(k) for k in others] == [0] * len(others)
 

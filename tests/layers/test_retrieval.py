@@ -52,6 +52,73 @@ def test_summaries_match_brute_force_after_random_writes_and_page_reuse():
         torch.testing.assert_close(s.mean(layer, torch.tensor([p]))[0], ks.mean(0))
 
 
+def test_8bit_summaries_bound_the_keys_and_do_not_depend_on_how_rows_arrive():
+    """8-bit summaries (kv/summaries.py): after random writes and page reuse (rows one at a time,
+    in runs, or a page at once) each page's codes are the ones encoded from all its keys at once
+    (exact: the exponent only grows, and the old codes shift with floor / ceil); their values bound
+    the keys from outside within one code step of 2^e; refresh and copy_rows agree."""
+    from kvtier.kv.summaries import encode_bounds, exponents, pow2
+    layers, hkv, pages = 2, 3, 10
+    s = PageSummaries(layers, pages, hkv, D, PS, "cpu", torch.int8, sums=False)
+    assert s.codes and s.bits == 8 and s.bytes_per_page_layer() == 2 * hkv * D + hkv + 4
+    rows: dict[tuple[int, int], list[torch.Tensor]] = {}
+    fill = [0] * pages
+    g = torch.Generator().manual_seed(4)
+    rnd = random.Random(4)
+    for _ in range(60):
+        slots = []
+        for p in rnd.sample(range(pages), 3):
+            if fill[p] == PS or rnd.random() < 0.2:
+                fill[p] = 0
+            n = rnd.randint(1, PS - fill[p])
+            slots += [p * PS + fill[p] + i for i in range(n)]
+            fill[p] += n
+        for layer in range(layers):  # magnitudes over five decades: exponents rise and fall
+            k = torch.randn(len(slots), hkv, D, generator=g) * 10.0 ** rnd.randint(-3, 2)
+            s.update(layer, torch.tensor(slots), k)
+            for slot, row in zip(slots, k):
+                if slot % PS == 0:
+                    rows[(layer, slot // PS)] = []
+                rows[(layer, slot // PS)].append(row)
+    for (layer, p), rs in rows.items():
+        ks = torch.stack(rs)  # [n, Hkv, D]
+        lo, hi = ks.amin(0), ks.amax(0)
+        e = exponents(torch.maximum(lo.abs(), hi.abs()).amax(-1))
+        cmin, cmax = encode_bounds(lo, hi, e)
+        assert int(s.count[layer, p]) == len(rs)
+        assert torch.equal(s.kexp[layer, p].int(), e)
+        assert torch.equal(s.kmin[layer, p].int(), cmin) and torch.equal(s.kmax[layer, p].int(), cmax)
+        got_lo, got_hi = s.bounds(layer, torch.tensor([p]))
+        step = pow2(e)[:, None]
+        assert (got_lo[0] <= lo).all() and (got_hi[0] >= hi).all()
+        assert (lo - got_lo[0] < step).all() and (got_hi[0] - hi < step).all()
+    # refresh from the pages' keys, and copy_rows into other 8-bit summaries, give the same codes
+    live = sorted(p for (layer, p) in rows if layer == 0)
+    keys = torch.zeros(len(live), hkv, PS, D)
+    for i, p in enumerate(live):
+        ks = torch.stack(rows[(0, p)])
+        keys[i, :, :len(ks)] = ks.transpose(0, 1)
+    again = PageSummaries(layers, pages, hkv, D, PS, "cpu", torch.int8, sums=False)
+    again.refresh(0, torch.tensor(live), keys, s.count[0, live])
+    for name in ("kmin", "kmax", "kexp", "count"):
+        assert torch.equal(getattr(again, name)[0, live], getattr(s, name)[0, live]), name
+    moved = PageSummaries(layers, 4, hkv, D, PS, "cpu", torch.int8, sums=False)
+    moved.copy_rows(s, torch.tensor(live[:4]), torch.arange(4))
+    assert torch.equal(moved.kmax[:, :4], s.kmax[:, live[:4]]) and torch.equal(moved.kexp[:, :4], s.kexp[:, live[:4]])
+    with pytest.raises(ValueError, match="8-bit"):
+        PageSummaries(layers, 4, hkv, D, PS, "cpu", sums=False).copy_rows(s, torch.tensor([0]), torch.tensor([0]))
+
+
+def test_exponents_are_the_least_that_fit():
+    """exponents(): the least e >= E_MIN with amax <= 127 * 2^e, at and around the boundaries."""
+    from kvtier.kv.summaries import E_MIN, exponents, pow2
+    a = torch.tensor([0.0, 1e-42, 1e-30, 126.99, 127.0, 127.0001, 254.0, 254.01, 3e38, 1.0, 0.5])
+    e = exponents(a)
+    assert (a <= 127 * pow2(e)).all()
+    assert ((e == E_MIN) | (a > 127 * pow2(e - 1))).all()
+    assert e[:3].tolist() == [E_MIN] * 3 and e[4].item() == 0 and e[5].item() == 1 and e[6].item() == 1
+
+
 def test_quest_bound_holds_for_every_query_head():
     g = torch.Generator().manual_seed(1)
     hkv, grp, pages = 2, 4, 12
@@ -64,6 +131,12 @@ def test_quest_bound_holds_for_every_query_head():
     true_max = torch.einsum("rhgd,pshd->rhgps", q, kp).amax(-1)  # [R, Hkv, g, P]: max q.k per page
     assert (page_scores("quest-max", q, s, 0, ids) >= true_max.amax(2) - 1e-5).all()
     assert (page_scores("quest", q, s, 0, ids) >= true_max.sum(2) - 1e-5).all()
+    # 8-bit summaries: still bounds (rounded outward), and at least the 16-bit ones
+    s8 = PageSummaries(1, pages, hkv, D, PS, "cpu", torch.int8, sums=False)
+    s8.update(0, torch.arange(pages * PS), k)
+    for sel, true in (("quest-max", true_max.amax(2)), ("quest", true_max.sum(2))):
+        got = page_scores(sel, q, s8, 0, ids)
+        assert (got >= true - 1e-5).all() and (got >= page_scores(sel, q, s, 0, ids) - 1e-4).all()
 
 
 def _fill(pool: PagePool, backends: list, ctx_lens: list[int], new_lens: list[int], hq: int, seed: int,
@@ -144,12 +217,12 @@ def _selected_reference(pool: PagePool, meta: AttentionMetadata, q: torch.Tensor
     return out
 
 
-@pytest.mark.parametrize("fmt", ["fp32", "int8"])
+@pytest.mark.parametrize("fmt,bits", [("fp32", 16), ("int8", 16), ("fp32", 8)])
 @pytest.mark.parametrize("selector", SELECTORS)
 @pytest.mark.parametrize("hq,hkv", [(2, 2), (8, 2)])
-def test_small_budget_is_dense_over_exactly_the_selected_pages(fmt, selector, hq, hkv):
+def test_small_budget_is_dense_over_exactly_the_selected_pages(fmt, bits, selector, hq, hkv):
     ctx, new = [61, 7, 45, 90, 26], [1, 7, 1, 1, 1]  # one prefill chunk rides along densely
-    cfg = RetrievalConfig(budget=28, sink=2, window=5, selector=selector)  # 7 pages: 1 + 2..3 + rest
+    cfg = RetrievalConfig(budget=28, sink=2, window=5, selector=selector, summary_bits=bits)  # 7 pages
     pools = [PagePool(make_format(fmt), 1, PAGES, hkv, PS, D, "cpu") for _ in range(2)]
     dense = DensePagedAttention(pools[0], D ** -0.5)
     retr = RetrievalAttention(pools[1], D ** -0.5, cfg, record=True)

@@ -97,27 +97,30 @@ def main() -> None:
             check_assemble(ra, seed=1100 + i)
             check_update_summaries(ra, seed=1200 + i)
             check_update_summaries(ra, seed=1300 + i, dtype=torch.bfloat16)
+            check_update_codes(ra, seed=1500 + i)
         except AssertionError as e:
             failures.append(f"selection glue (seed {i}): {e}")
-    for i, (name, gqa, selector) in enumerate(BACKEND_CASES):  # RetrievalAttention wired to the kernels
+    for i, (name, gqa, selector, bits) in enumerate(BACKEND_CASES):  # RetrievalAttention wired to the kernels
         try:
-            check_backend_kernel(name, gqa, seed=700 + i, selector=selector)
+            check_backend_kernel(name, gqa, seed=700 + i, selector=selector, bits=bits)
         except AssertionError as e:
-            failures.append(f"RetrievalAttention kernel {name} gqa={gqa} {selector}: {e}")
+            failures.append(f"RetrievalAttention kernel {name} gqa={gqa} {selector} {bits}-bit summaries: {e}")
     print("\n".join(failures) if failures else "ALL OK")
 
 
 # RetrievalAttention(kernel=True) vs its PyTorch path: (format, gqa, selector); int8 / k8v4 fold
 # the stored domain into the kernel (raw q in), fp16 does not rotate; the hybrids score with the
 # fused kernels (hybrid-mid: bound and midrange from one launch, no key sums kept).
-BACKEND_CASES = [("fp32", 2, "quest"), ("int8", 1, "quest"), ("k8v4", 4, "quest"), ("fp16", 2, "quest"),
-                 ("fp32", 2, "hybrid"), ("fp32", 2, "hybrid-mid")]
+# (format, gqa, selector, summary bits): 8, the int8 summaries (kv/summaries.py)
+BACKEND_CASES = [("fp32", 2, "quest", 16), ("int8", 1, "quest", 16), ("k8v4", 4, "quest", 16),
+                 ("fp16", 2, "quest", 16), ("fp32", 2, "hybrid", 16), ("fp32", 2, "hybrid-mid", 16),
+                 ("k8v4", 2, "hybrid-mid", 8), ("fp32", 1, "quest-max", 8)]
 
 
-def check_backend_kernel(name: str, gqa: int, seed: int, selector: str = "quest") -> None:
+def check_backend_kernel(name: str, gqa: int, seed: int, selector: str = "quest", bits: int = 16) -> None:
     dtype = torch.float16 if name == "fp16" else torch.float32
     args = (name, 2, gqa, 4, 64, [37, 30, 9, 53])
-    kw = dict(budget=24, dtype=dtype, device="cpu", seed=seed, selector=selector)
+    kw = dict(budget=24, dtype=dtype, device="cpu", seed=seed, selector=selector, summary_bits=bits)
     ref = cases.retrieval_step(*args, kernel=False, **kw)
     got = cases.retrieval_step(*args, kernel=True, **kw)
     assert ref.q.shape[0] == 3 and torch.equal(ref.q, got.q)
@@ -210,6 +213,36 @@ def check_quest_scores(ra, hkv: int, g: int, d: int, with_host: bool, seed: int)
                                                                                                    b16(chost))
     fin = ~want.isinf()
     assert torch.allclose(got[fin], want[fin], rtol=1e-5, atol=1e-4), "centroid, bf16 summaries"
+    # 8-bit summaries (codes + a 2^e per page and kv head): the kernel == its reference, and both
+    # bound the fp32 summaries' scores from above (outward rounding)
+    c8, h8 = _codes(dev), _codes(host) if host else None
+    for reduce_max in (False, True):
+        got = ra.quest_scores(qg, c8, ids, reduce_max, h8)
+        want = ra.quest_scores_reference(qg, c8, ids, reduce_max, h8)
+        fin = ~want.isinf()
+        assert torch.equal(got.isinf(), want.isinf()) and torch.allclose(got[fin], want[fin], rtol=1e-5, atol=1e-3), \
+            f"8-bit summaries, max={reduce_max}: max |kernel - ref| = {(got[fin] - want[fin]).abs().max():.3g}"
+        exact = ra.quest_scores_reference(qg, dev, ids, reduce_max, host)
+        assert bool((want[fin] >= exact[fin] - 1e-4).all()), f"8-bit bound below the exact one, max={reduce_max}"
+    bound, mid = ra.quest_scores(qg, c8, ids, False, h8, limit=limit, cand_idx=cand, midrange=True)
+    want_m = ra.midrange_scores_reference(qg, c8, ids, h8)
+    off = (cand < 0)[:, None, :] | (torch.arange(37)[None, None, :] >= limit[:, None, None])
+    want_m = want_m.masked_fill(off, float("-inf"))
+    fin = want_m.isfinite()
+    assert torch.equal(mid.isinf(), want_m.isinf()) and torch.allclose(mid[fin], want_m[fin], rtol=1e-5, atol=1e-3), \
+        "8-bit summaries: midrange"
+
+
+def _codes(rows: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+    """(kmin, kmax, count) fp32 -> 8-bit summaries (kmin, kmax codes, count, kexp), as
+    PageSummaries.refresh encodes them (empty pages: zero codes)."""
+    from kvtier.kv.summaries import encode_bounds, exponents
+    kmin, kmax, count = rows
+    some = (count > 0)[:, None, None]
+    lo, hi = torch.where(some, kmin, 0.0), torch.where(some, kmax, 0.0)
+    e = exponents(torch.maximum(lo.abs(), hi.abs()).amax(-1))
+    lo, hi = encode_bounds(lo, hi, e)
+    return lo.to(torch.int8), hi.to(torch.int8), count, e.to(torch.int8)
 
 
 # topk_columns: (rows, heads, columns, k); small enough for the interpreter, the second one
@@ -305,6 +338,32 @@ def check_update_summaries(ra, seed: int, device: str = "cpu", dtype: torch.dtyp
     for name in ("kmin", "kmax", "count"):
         assert torch.equal(getattr(bare, name).cpu(), getattr(ref, name).to(getattr(bare, name).dtype)), \
             f"{name} differs without key sums ({dtype})"
+
+
+def check_update_codes(ra, seed: int, device: str = "cpu") -> None:
+    """update_summaries on 8-bit summaries (one row a page: the exponent raised, the codes shifted)
+    == PageSummaries.update's scatter path, bit for bit, rows 0 resetting their pages among them;
+    keys of growing magnitude so that exponents rise."""
+    from kvtier.kv.summaries import PageSummaries
+    gen = torch.Generator().manual_seed(seed)
+    pages, ps, hkv, d = 9, 4, 2, 32
+    ref = PageSummaries(1, pages, hkv, d, ps, "cpu", torch.int8, sums=False)
+    got = PageSummaries(1, pages, hkv, d, ps, device, torch.int8, sums=False)
+    assert got.bytes_per_page_layer() == 2 * hkv * d + hkv + 4
+    first = torch.arange(pages * ps - 5)
+    k0 = torch.randn(len(first), hkv, d, generator=gen) * 0.3
+    ref.update(0, first, k0)
+    for name in ("kmin", "kmax", "kexp", "count"):
+        getattr(got, name).copy_(getattr(ref, name))
+    for step, scale in enumerate((1.0, 40.0, 1e-3)):
+        slots = torch.tensor([2 * ps, 5 * ps + 3, 8 * ps + step, 0]) if step == 0 else \
+            torch.tensor([3 * ps + 3, 6 * ps + 2 + step, 1 * ps])[: 3]
+        k = (torch.randn(len(slots), hkv, d, generator=gen) * scale).to(torch.bfloat16)
+        ref.update(0, slots, k)
+        ra.update_summaries(got.kmin[0], got.kmax[0], None, got.count[0], slots.to(device), k.to(device), ps,
+                            got.kexp[0])
+        for name in ("kmin", "kmax", "kexp", "count"):
+            assert torch.equal(getattr(got, name).cpu(), getattr(ref, name)), f"8-bit summaries: {name} (step {step})"
 
 
 @pytest.mark.parametrize("selector", ["quest", "quest-max"])
