@@ -5,7 +5,7 @@
 
 Four paths, chosen by M (`wq_linear`):
 
-    M <= GEMV_MAX_M     `wq_gemv` (kvtier/kernels/wq_kernels.py): decode on CUDA cores in fp16
+    M <= GEMV_MAX_M     `wq_gemv` (kvtier/kernels/wq_kernels.py), 4-bit weights (GEMV_BITS): decode on CUDA cores in fp16
                         pairs: 16-bit x, codes read as 16-byte chunks, x of a program's K slice
                         converted once to fp16 pairs and reused over all its rows; codes become
                         fp16 by LOP3/PRMT under an exponent of 1024 (no conversion instruction) and
@@ -97,6 +97,11 @@ SKINNY_MAX_M = 32
 # instructions a code byte (static count of its loop), so 4 rows is ~10-16 a byte, about what the
 # SMs issue at full bandwidth; larger M takes the tensor-core skinny path.
 GEMV_MAX_M = 4
+# Weight bits `wq_linear` sends to the gemv. 8-bit weights take the skinny kernel at every M <= 32:
+# H100 (tools/sweep_wq.py, the five Qwen3-8B layers at 8 bits, us a call summed): M = 1 gemv 350
+# against skinny fma 311, M = 2 591 / 481, M = 4 1,153 / 442; the int8 engine at 1K (bench
+# qwen3-8b-int8, same machine) 214.8 / 215.4 tok/s with the gemv, 230.5 (65% of the bound) without.
+GEMV_BITS = (4,)
 # Programs `choose_gemv_block_n` aims at per SM (x is converted once per program: fewer, longer
 # programs waste less of it; small layers need the parallelism).
 GEMV_PROGRAMS_PER_SM = 2
@@ -158,6 +163,10 @@ class SkinnyConfig:
     prefetch: bool = True  # issue the next iteration's loads before this one's math (by hand:
     # Triton's pipeliner only streams loads that feed tl.dot directly, not codes that are unpacked)
     split_k: int = 0  # 0: `choose_split_k`
+    # Programmatic dependent launch (kernels/pdl.py), with the reduce kernel after a split: a
+    # program loads its first codes and groups (PREFETCH) before waiting for the kernel before.
+    # Off until timed (8-bit weights took this kernel at M = 1 in the seventeenth session).
+    pdl: bool = False
 
 
 @dataclass(frozen=True)
@@ -267,7 +276,7 @@ def wq_linear(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None = None,
     if not (HAVE_TRITON and x.is_cuda and w.device == x.device and kernel_supports(w)):
         return wq_linear_reference(x, w, bias, residual)
     m = x.shape[0]
-    if m <= GEMV_MAX_M and gemv_supports(x, w):
+    if m <= GEMV_MAX_M and w.bits in GEMV_BITS and gemv_supports(x, w):
         return wq_gemv(x, w, bias, residual, GEMV_CONFIG)
     if m <= SKINNY_MAX_M:
         return wq_skinny(x, w, bias, residual, FMA_CONFIG if m <= FMA_MAX_M else DOT_CONFIG)
@@ -415,8 +424,9 @@ if HAVE_TRITON:
                        BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
                        PARTIAL: tl.constexpr, USE_DOT: tl.constexpr, GROUP_SCALE: tl.constexpr,
                        WORDS: tl.constexpr, CVT: tl.constexpr, PREFETCH: tl.constexpr,
-                       DOT_PREC: tl.constexpr):
-        """Program (n block, K split, m block): acc[n, m] = sum over the split's K of W[n, k] x[m, k]."""
+                       DOT_PREC: tl.constexpr, PDL: tl.constexpr = False):
+        """Program (n block, K split, m block): acc[n, m] = sum over the split's K of W[n, k] x[m, k].
+        PDL: kernels/pdl.py, the first codes (weights) loaded before the wait."""
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
         pid_m = tl.program_id(2)
@@ -437,6 +447,8 @@ if HAVE_TRITON:
         if PREFETCH:  # registers hold the next iteration's loads while this one computes
             raw = _load_codes(q_ptr, rows, k_lo, K, BITS, BLOCK_K, WORDS)
             sc, mn = _load_groups(s_ptr, mn_ptr, rows, k_lo, K, GROUP, GPI, HAS_MINS)
+        wait_before_reads(PDL)  # x, the residual, the outputs: after the kernel before
+        if PREFETCH:
             if not USE_DOT:
                 xr = tl.load(x1 + k_lo + tl.arange(0, BLOCK_K))
         for k0 in range(k_lo, k_lo + split_len, BLOCK_K):
@@ -636,14 +648,16 @@ def wq_skinny(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None = None,
     x, mins, b, r, stride_rm = _operands(x, w, y, bias, residual)
     part = torch.empty((split, mrows, n), dtype=torch.float32, device=x.device) if split > 1 else y
     grid = (triton.cdiv(n, cfg.block_n), split, triton.cdiv(mrows, block_m))
+    launch = pdl.launch_args(x.device, cfg.pdl)
     _skinny_kernel[grid](x, codes, w.scales, mins, b, r, y, part, mrows, n, k, k // split, x.stride(0), stride_rm,
                          BLOCK_N=cfg.block_n, BLOCK_M=block_m, BLOCK_K=block_k, PARTIAL=split > 1,
                          USE_DOT=cfg.use_dot, GROUP_SCALE=cfg.group_scale, WORDS=words, CVT=CVT_MODES[cfg.cvt],
-                         PREFETCH=cfg.prefetch, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **const)
+                         PREFETCH=cfg.prefetch, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **const,
+                         **launch)
     if split > 1:
         _reduce_kernel[(mrows, triton.cdiv(n, REDUCE_BLOCK))](
             part, b, r, y, mrows, n, split, stride_rm, HAS_BIAS=bias is not None, HAS_RES=residual is not None,
-            BLOCK=REDUCE_BLOCK, num_warps=4)
+            BLOCK=REDUCE_BLOCK, num_warps=4, **launch)
     return y
 
 
