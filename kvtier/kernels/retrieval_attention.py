@@ -660,7 +660,8 @@ def _candidate_bounds(dev: SummaryRows, host: SummaryRows | None, cand_ids: torc
 
 def quest_scores_reference(qg: torch.Tensor, dev: SummaryRows, cand_ids: torch.Tensor, reduce_max: bool = False,
                            host: SummaryRows | None = None) -> torch.Tensor:
-    """quest_scores in PyTorch (same arguments), the bound written as in the kernel."""
+    """quest_scores in PyTorch (same arguments): the bound by its definition, max(q_d min_d, q_d max_d)
+    per channel (the kernel sums the group's positive and negative query parts first)."""
     kmin, kmax, cnt, scale = _candidate_bounds(dev, host, cand_ids)
     q = qg.float()[:, :, :, None, :]  # [R, Hkv, G, 1, D]
     bound = torch.maximum(q * kmin.permute(0, 2, 1, 3)[:, :, None], q * kmax.permute(0, 2, 1, 3)[:, :, None]).sum(-1)
