@@ -22,28 +22,35 @@ from kvtier.layers.retrieval import RetrievalAttention, page_scores
 PS, D, PAGES = 4, 8, 96
 
 
-def test_summaries_match_brute_force_after_random_writes_and_page_reuse():
-    layers, hkv = 2, 3
-    s = PageSummaries(layers, 10, hkv, D, PS, "cpu")
-    rows: dict[tuple[int, int], list[torch.Tensor]] = {}  # (layer, page) -> its rows, in order
-    fill = [0] * 10
-    g = torch.Generator().manual_seed(0)
-    rnd = random.Random(0)
+def _random_writes(s: PageSummaries, seed: int, decades: bool = False) -> dict[tuple[int, int], list[torch.Tensor]]:
+    """60 steps of random writes into s's pages (runs of rows, pages reused from row 0) at every
+    layer -> (layer, page) -> the rows its current occupant wrote, in order. decades: each step's
+    keys scaled by 10^-3 .. 10^2."""
+    rows: dict[tuple[int, int], list[torch.Tensor]] = {}
+    fill = [0] * s.num_pages
+    g = torch.Generator().manual_seed(seed)
+    rnd = random.Random(seed)
     for _ in range(60):
         slots = []
-        for p in rnd.sample(range(10), 3):
+        for p in rnd.sample(range(s.num_pages), 3):
             if fill[p] == PS or rnd.random() < 0.2:
                 fill[p] = 0  # the page is reused by a new occupant: it starts again at row 0
             n = rnd.randint(1, PS - fill[p])
             slots += [p * PS + fill[p] + i for i in range(n)]
             fill[p] += n
-        for layer in range(layers):  # every layer writes the step's slots
-            k = torch.randn(len(slots), hkv, D, generator=g)
+        for layer in range(s.num_layers):  # every layer writes the step's slots
+            k = torch.randn(len(slots), s.kv_heads, D, generator=g) * (10.0 ** rnd.randint(-3, 2) if decades else 1.0)
             s.update(layer, torch.tensor(slots), k)
             for slot, row in zip(slots, k):
                 if slot % PS == 0:
                     rows[(layer, slot // PS)] = []
                 rows[(layer, slot // PS)].append(row)
+    return rows
+
+
+def test_summaries_match_brute_force_after_random_writes_and_page_reuse():
+    s = PageSummaries(2, 10, 3, D, PS, "cpu")
+    rows = _random_writes(s, seed=0)
     for (layer, p), rs in rows.items():
         ks = torch.stack(rs)  # [n, Hkv, D]
         assert int(s.count[layer, p]) == len(rs)
@@ -61,25 +68,7 @@ def test_8bit_summaries_bound_the_keys_and_do_not_depend_on_how_rows_arrive():
     layers, hkv, pages = 2, 3, 10
     s = PageSummaries(layers, pages, hkv, D, PS, "cpu", torch.int8, sums=False)
     assert s.codes and s.bits == 8 and s.bytes_per_page_layer() == 2 * hkv * D + hkv + 4
-    rows: dict[tuple[int, int], list[torch.Tensor]] = {}
-    fill = [0] * pages
-    g = torch.Generator().manual_seed(4)
-    rnd = random.Random(4)
-    for _ in range(60):
-        slots = []
-        for p in rnd.sample(range(pages), 3):
-            if fill[p] == PS or rnd.random() < 0.2:
-                fill[p] = 0
-            n = rnd.randint(1, PS - fill[p])
-            slots += [p * PS + fill[p] + i for i in range(n)]
-            fill[p] += n
-        for layer in range(layers):  # magnitudes over five decades: exponents rise and fall
-            k = torch.randn(len(slots), hkv, D, generator=g) * 10.0 ** rnd.randint(-3, 2)
-            s.update(layer, torch.tensor(slots), k)
-            for slot, row in zip(slots, k):
-                if slot % PS == 0:
-                    rows[(layer, slot // PS)] = []
-                rows[(layer, slot // PS)].append(row)
+    rows = _random_writes(s, seed=4, decades=True)  # magnitudes over five decades: exponents rise and fall
     for (layer, p), rs in rows.items():
         ks = torch.stack(rs)  # [n, Hkv, D]
         lo, hi = ks.amin(0), ks.amax(0)
