@@ -89,13 +89,17 @@ class _Runner:
         self.pool = PagePool(PlainFormat(dtype), layers, pages, kv_heads, page_size, head_dim, self.device,
                              compute_dtype=dtype)
         self.table = list(range(pages))
-        summaries = PageSummaries.for_pool(self.pool)
+        # a selector named "<selector>/8" scores 8-bit summaries (kv/summaries.py), the others share 16-bit ones
+        self.summaries = {bits: PageSummaries.for_pool(self.pool, bits=bits)
+                          for bits in sorted({_summary_bits(s) for s in selectors})}
         scale = head_dim ** -0.5
         self.backends: dict[str, object] = {DENSE: DensePagedAttention(self.pool, scale)}
         for s in selectors:
-            cfg = RetrievalConfig(budget=budget, sink=sink, window=window, selector=s)
-            self.backends[s] = RetrievalAttention(self.pool, scale, cfg, summaries=summaries, record=record)
-        # prefill: dense attention in every method; a retrieval backend also fills the summaries
+            cfg = RetrievalConfig(budget=budget, sink=sink, window=window, selector=s.split("/")[0])
+            self.backends[s] = RetrievalAttention(self.pool, scale, cfg, summaries=self.summaries[_summary_bits(s)],
+                                                  record=record)
+        # prefill: dense attention in every method; a retrieval backend also fills its summaries
+        # (the others are recomputed from the pool's keys after it: `_sync_summaries`)
         self.prefill_backend = self.backends[selectors[0]] if selectors else self.backends[DENSE]
         self.chunk = PREFILL_CHUNK.get(self.device.type, 2048)
 
@@ -114,7 +118,22 @@ class _Runner:
         """-> logits [V] after the last prompt token."""
         for lo in range(0, len(ids), self.chunk):
             logits = self.step(self.prefill_backend, ids[lo:lo + self.chunk], lo)
+        self._sync_summaries(len(ids))
         return logits[-1]
+
+    def _sync_summaries(self, n: int) -> None:
+        """Summaries the prefill backend does not own: recomputed from the pool's keys (a plain
+        format: the keys as written) for the prompt's n rows, as incremental updates would give."""
+        own = getattr(self.prefill_backend, "summaries", None)
+        others = [summ for summ in self.summaries.values() if summ is not own]
+        if not others or n == 0:
+            return
+        ids = torch.arange(-(-n // self.ps), device=self.device)
+        rows = (n - ids * self.ps).clamp(max=self.ps).to(torch.int32)
+        for layer in range(self.pool.num_layers):
+            k, _ = self.pool.read(layer, ids)  # [P, Hkv, S, D]
+            for summ in others:
+                summ.refresh(layer, ids, k, rows)
 
     def greedy(self, method: str, first: int, start: int, max_new: int, stop: frozenset[int]) -> list[int]:
         """Greedy decode from `first` (sampled from the prefill) at position `start`."""
@@ -130,6 +149,11 @@ class _Runner:
         m = float(torch.cat(be.mass_log).mean())
         be.mass_log.clear()
         return m
+
+
+def _summary_bits(method: str) -> int:
+    """A selector method's summary width: "<selector>/8" -> 8, else 16."""
+    return 8 if method.endswith("/8") else 16
 
 
 def _filler(tok, haystack: str, n: int, rng: random.Random) -> list[int]:

@@ -26,7 +26,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--budget", type=int, default=512, help="kvmem budget in tokens per decode row")
     p.add_argument("--sink", type=int, default=DEFAULT_SINK)
     p.add_argument("--window", type=int, default=DEFAULT_WINDOW)
-    p.add_argument("--selectors", default=",".join(SELECTORS))
+    p.add_argument("--selectors", default=",".join(SELECTORS),
+                   help="comma-separated; '<selector>/8' scores 8-bit page summaries (--kvmem-summary-bits 8)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--page-size", type=int, default=DEFAULT_PAGE_SIZE)
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))

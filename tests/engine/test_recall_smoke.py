@@ -41,3 +41,22 @@ def test_small_budget_reports_fidelity(smol_parts):
     fid = run_fidelity(model, tok.encode("The quick brown fox jumps over the lazy dog. " * 40)[:260], 3,
                        budget=128, selectors=["quest"], window=16)
     assert fid[0].mean_kl >= 0 and fid[0].mass is not None and 0 < fid[0].mass <= 1
+
+
+def test_8bit_summaries_from_the_pool_equal_the_ones_written(smol_parts):
+    """A "<selector>/8" method's 8-bit summaries, recomputed from the pool after a prefill its
+    backend did not run, equal those an 8-bit backend writes as it prefills (codes independent of
+    how rows arrive); the selector answers with them."""
+    import torch
+
+    from kvtier.eval.recall import _Runner
+    model, tok = smol_parts
+    ids = tok.encode("The quick brown fox jumps over the lazy dog. " * 30)[:301]
+    synced = _Runner(model, 320, 128, ["quest", "quest/8"], 4, 16, 16, record=False)
+    synced.prefill(ids)
+    written = _Runner(model, 320, 128, ["quest/8"], 4, 16, 16, record=False)
+    written.prefill(ids)
+    a, b = synced.summaries[8], written.summaries[8]
+    for name in ("kmin", "kmax", "kexp", "count"):
+        assert torch.equal(getattr(a, name), getattr(b, name)), name
+    assert int(a.count[0, :19].sum()) == 301 and bool((a.kexp[0, :19] != a.kexp[0, 0, 0]).any())
