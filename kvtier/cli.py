@@ -20,6 +20,15 @@ EXIT_BROKEN_PIPE = 141  # what a shell reports for a writer killed by SIGPIPE (1
 console = Console(stderr=True)
 
 
+
+def _summary_bits(value: str) -> int:
+    """`--kvmem-summary-bits`: auto (0), 8 or 16."""
+    if value == "auto":
+        return 0
+    if value not in ("8", "16"):
+        raise argparse.ArgumentTypeError(f"expected auto, 8 or 16, got {value!r}")
+    return int(value)
+
 def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", "-m", default=DEFAULT_MODEL, help="model name (kvtier models list) or path")
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
@@ -47,10 +56,12 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
                         "bound) | quest-max | meankey (baseline) | centroid (per kv head mean key) | midrange "
                         "(per kv head (min + max) / 2) | hybrid-mid (half quest, half midrange: no key sums kept, "
                         "half the summary memory)")
-    p.add_argument("--kvmem-summary-bits", type=int, default=RetrievalConfig.summary_bits, choices=(8, 16),
+    p.add_argument("--kvmem-summary-bits", type=_summary_bits, default=RetrievalConfig.summary_bits,
+                   metavar="{auto,8,16}",
                    help="bits of each page's key min / max that retrieval scores every decode step: 16 (the "
-                        "keys' dtype on CUDA, fp32 on CPU) or 8 (int8 codes rounded outward with a power-of-two "
-                        "scale per page and kv head: half the bytes read and held)")
+                        "keys' dtype on CUDA, fp32 on CPU), 8 (int8 codes rounded outward with a power-of-two "
+                        "scale per page and kv head: half the bytes read and held) or auto (default: 8 on CUDA, "
+                        "16 on CPU)")
     p.add_argument("--kvmem-gpu-cache", type=int, default=0,
                    help="retrieval past the GPU pool (CUDA): tokens of GPU pool pages that keep the host pages "
                         "decode selects, so a page chosen again is not read over the bus again (0: off, the "
@@ -436,8 +447,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="retrieval attention on (as serve's flag): count its page summaries on the GPU")
     p.add_argument("--kvmem-selector", default=RetrievalConfig.selector, choices=SELECTORS,
                    help="as serve's flag: hybrid-mid / quest / quest-max / midrange keep no key sums")
-    p.add_argument("--kvmem-summary-bits", type=int, default=RetrievalConfig.summary_bits, choices=(8, 16),
-                   help="as serve's flag")
+    p.add_argument("--kvmem-summary-bits", type=_summary_bits, default=RetrievalConfig.summary_bits,
+                   metavar="{auto,8,16}", help="as serve's flag (a plan is for the GPU: auto is 8)")
     p.set_defaults(fn=cmd_plan)
     p = sub.add_parser("eval", help="quality evaluations (recall: dense vs retrieval attention)")
     from kvtier.eval import recall_cli  # torch-free: the evaluation itself is imported when it runs

@@ -73,10 +73,12 @@ class RetrievalConfig:
     # CUDA with the host tier read in place): 0 off (the default: measured slower where tried,
     # docs/benchmarks.md), -1 GPU_CACHE_BUDGETS budgets
     gpu_cache: int = 0
-    # bits of the pages' key min / max (kv/summaries.py): 16 (CUDA: the keys' dtype; CPU: fp32) or
-    # 8 (int8 codes with a power-of-two exponent per page and kv head: half the bytes each decode
-    # step's scoring reads, and the GPU memory they take)
-    summary_bits: int = 16
+    # bits of the pages' key min / max (kv/summaries.py): 16 (CUDA: the keys' dtype; CPU: fp32), 8
+    # (int8 codes with a power-of-two exponent per page and kv head: half the bytes each decode
+    # step's scoring reads, and the GPU memory they take) or 0, auto: 8 on CUDA (the same recall
+    # as 16 in every planted and real-model cell measured, docs/benchmarks.md), 16 elsewhere (the
+    # CPU's C++ scorer reads fp32)
+    summary_bits: int = 0
 
     def __post_init__(self) -> None:
         if self.budget < 0:
@@ -87,8 +89,8 @@ class RetrievalConfig:
             raise ValueError(f"kvmem window must be >= 0 tokens, got {self.window}")
         if self.selector not in SELECTORS:
             raise ValueError(f"kvmem selector must be one of {', '.join(SELECTORS)}, got {self.selector!r}")
-        if self.summary_bits not in (8, 16):
-            raise ValueError(f"kvmem summary bits must be 8 or 16, got {self.summary_bits}")
+        if self.summary_bits not in (0, 8, 16):
+            raise ValueError(f"kvmem summary bits must be 8, 16 or 0 (auto), got {self.summary_bits}")
         if self.gpu_cache < -1:
             raise ValueError(f"kvmem GPU cache must be >= 0 tokens (-1 = auto, 0 = off), got {self.gpu_cache}")
         if self.budget and self.budget <= self.sink + self.window:

@@ -62,17 +62,18 @@ import torch
 # Least exponent of 8-bit summaries (module docstring): pages whose keys are all below 127 * 2^E_MIN
 # in magnitude share it (their codes round outward to -1 / 0 / 1).
 E_MIN = -100
-SUMMARY_BITS = (8, 16)
+SUMMARY_BITS = (0, 8, 16)  # 0: auto, 8 on CUDA and 16 elsewhere (config.RetrievalConfig.summary_bits)
 
 
 def summary_dtype(device: torch.device | str, key_dtype: torch.dtype, bits: int = 16) -> torch.dtype:
     """The summaries' dtype for keys of `key_dtype` on `device` (module docstring): bits 8, int8
-    codes; 16, on CUDA with 16-bit keys the keys' own dtype, else fp32."""
+    codes; 16, on CUDA with 16-bit keys the keys' own dtype, else fp32; 0, 8 on CUDA, else 16."""
     if bits not in SUMMARY_BITS:
         raise ValueError(f"summary bits must be one of {SUMMARY_BITS}, got {bits}")
-    if bits == 8:
+    cuda = torch.device(device).type == "cuda"
+    if bits == 8 or (bits == 0 and cuda):
         return torch.int8
-    if torch.device(device).type == "cuda" and key_dtype in (torch.bfloat16, torch.float16):
+    if cuda and key_dtype in (torch.bfloat16, torch.float16):
         return key_dtype
     return torch.float32
 

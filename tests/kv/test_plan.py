@@ -72,7 +72,8 @@ def test_plan_cli_points_to_the_lean_summaries(capsys: pytest.CaptureFixture[str
     got = capsys.readouterr()
     out = " ".join((got.out + got.err).split())  # notes go to the console (stderr); rich wraps them
     assert "--kvmem-selector hybrid-mid keeps no key sums" in out
-    lean = plan_mod.plan_for_args("qwen3-8b-int4", "k8v4", 262144, "12GiB", 0, retrieval=True, key_sums=False)
+    lean = plan_mod.plan_for_args("qwen3-8b-int4", "k8v4", 262144, "12GiB", 0, retrieval=True, key_sums=False,
+                                  summary_bits=0)  # the CLI's default: auto, 8-bit on the GPU
     assert f"{lean.gpu_kv_tokens:,} context tokens on the GPU" in out
     for extra in (["--context", "262144", "--kvmem-selector", "hybrid-mid"], ["--context", "16384"]):
         assert main(base + extra) == 0
@@ -204,8 +205,13 @@ def test_retrieval_summaries_count_on_the_gpu() -> None:
     spt_lean = spec.num_layers * (2 * spec.num_kv_heads * spec.head_dim + spec.num_kv_heads + 4) / 16
     assert abs(lean.summary_bytes - (lean.gpu_kv_tokens + lean.host_kv_tokens) * spt_lean) < MIB
     assert lean.fits and lean.gpu_kv_tokens > bare.gpu_kv_tokens and lean.summary_bytes < 0.52 * bare.summary_bytes
-    # serve's check sizes the pools from this plan
+    # serve's check sizes the pools from the plan of its summaries (auto: 8-bit on the GPU)
     cfg = EngineConfig(device="cuda", max_model_len=262144, cache=CacheConfig(kv_dtype="k8v4"),
                        retrieval=replace(EngineConfig().retrieval, budget=2048))
+    assert cfg.retrieval.summary_bits == 0
     got = checked_engine_config(cfg, "qwen3-8b-int4", "12GiB")
-    assert got.cache.gpu_kv_mib == -(-p.gpu_kv_bytes // MIB)
+    auto = make_plan(spec, "k8v4", 262144, 12 * GIB, None, held=held, retrieval=True, summary_bits=0)
+    assert auto.summary_bytes < p.summary_bytes and got.cache.gpu_kv_mib == -(-auto.gpu_kv_bytes // MIB)
+    got16 = checked_engine_config(replace(cfg, retrieval=replace(cfg.retrieval, summary_bits=16)), "qwen3-8b-int4",
+                                  "12GiB")
+    assert got16.cache.gpu_kv_mib == -(-p.gpu_kv_bytes // MIB)

@@ -355,6 +355,14 @@ def test_config_validation_and_registry():
         make_backend("retrieval", pool, 1.0)
     assert make_backend("retrieval", pool, 1.0, retrieval=RetrievalConfig(budget=64, window=8)).name == "retrieval"
     assert not RetrievalConfig().enabled
+    # summary bits: auto (0) is 8 on CUDA, 16 (fp32 here) on the CPU
+    with pytest.raises(ValueError, match="summary bits"):
+        RetrievalConfig(budget=64, window=8, summary_bits=4)
+    from kvtier.kv.summaries import summary_dtype
+    assert RetrievalConfig().summary_bits == 0
+    assert summary_dtype("cuda", torch.bfloat16, 0) == torch.int8 and summary_dtype("cpu", torch.bfloat16, 0) == torch.float32
+    auto = RetrievalAttention(pool, 1.0, RetrievalConfig(budget=64, window=8))
+    assert not auto.summaries.codes and auto.summaries.kmin.dtype == torch.float32
     # the GPU cache of selected host pages: auto = GPU_CACHE_BUDGETS budgets, in whole pages; 0 off
     assert RetrievalConfig(budget=2048).cache_pages(16) == 0  # off by default
     assert RetrievalConfig(budget=2048, gpu_cache=-1).cache_pages(16) == GPU_CACHE_BUDGETS * 2048 // 16
