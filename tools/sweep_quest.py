@@ -39,10 +39,9 @@ def summaries(pages: int, g: torch.Generator) -> tuple[torch.Tensor, torch.Tenso
 
 def codes(rows: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
     """The same summaries as 8-bit codes (kv/summaries.py): (kmin, kmax codes, count, kexp)."""
-    from kvtier.kv.summaries import encode_bounds, exponents
-    lo, hi, count = rows[0].float(), rows[1].float(), rows[2]
-    e = exponents(torch.maximum(lo.abs(), hi.abs()).amax(-1))
-    lo, hi = encode_bounds(lo, hi, e)
+    from kvtier.kv.summaries import encode_pages
+    lo, hi, e = encode_pages(rows[0].float(), rows[1].float())
+    count = rows[2]
     return lo.to(torch.int8), hi.to(torch.int8), count, e.to(torch.int8)
 
 

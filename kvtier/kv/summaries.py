@@ -109,6 +109,13 @@ def encode_bounds(lo: torch.Tensor, hi: torch.Tensor, e: torch.Tensor) -> tuple[
     return torch.floor(lo * inv).to(torch.int32), torch.ceil(hi * inv).to(torch.int32)
 
 
+def encode_pages(lo: torch.Tensor, hi: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The 8-bit summaries of pages whose channel min / max are lo / hi [..., D] fp32 -> (cmin, cmax
+    [..., D], e [...]) int32: e from the pages' largest magnitude, the codes rounded outward."""
+    e = exponents(torch.maximum(lo.abs(), hi.abs()).amax(-1))
+    return (*encode_bounds(lo, hi, e), e)
+
+
 def shift_codes(cmin: torch.Tensor, cmax: torch.Tensor, s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Codes at exponent e -> at e + s (s >= 0, [...] int32; codes [..., D] int32): floor / ceil of
     code / 2^s, which equals the codes computed from the keys at e + s (module docstring)."""
@@ -165,11 +172,14 @@ class PageSummaries:
     def bounds(self, layer: int, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(kmin, kmax) of pages `ids` [...] of one layer as fp32 [..., Hkv, D] (8-bit codes
         scaled by their 2^e: exact)."""
-        lo, hi = self.kmin[layer][ids].float(), self.kmax[layer][ids].float()
+        return self.values("kmin", layer, ids), self.values("kmax", layer, ids)
+
+    def values(self, name: str, layer: int, ids: torch.Tensor) -> torch.Tensor:
+        """kmin or kmax (`name`) of pages `ids` [...] of one layer as fp32 [..., Hkv, D]."""
+        v = getattr(self, name)[layer][ids].float()
         if not self.codes:
-            return lo, hi
-        scale = pow2(self.kexp[layer][ids].to(torch.int32))[..., None]  # type: ignore[index]
-        return lo * scale, hi * scale
+            return v
+        return v * pow2(self.kexp[layer][ids].to(torch.int32))[..., None]  # type: ignore[index]
 
     def bytes_per_page_layer(self) -> int:
         return int(summary_bytes_per_token(self.kv_heads, self.head_dim, 1, 1, self.kmin.dtype, self.sums))
@@ -266,8 +276,7 @@ class PageSummaries:
         if self.codes:  # [P, Hkv, D] -> codes at each (page, head)'s exponent; empty pages: zeros
             some = (rows > 0)[:, None, None]
             lo, hi = torch.where(some, lo, 0.0), torch.where(some, hi, 0.0)
-            e = exponents(torch.maximum(lo.abs(), hi.abs()).amax(-1))
-            lo, hi = encode_bounds(lo, hi, e)
+            lo, hi, e = encode_pages(lo, hi)
             self.kexp[layer, page_ids] = e.to(torch.int8)  # type: ignore[index]
         self.kmin[layer, page_ids] = lo.to(dt)
         self.kmax[layer, page_ids] = hi.to(dt)

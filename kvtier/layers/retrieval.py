@@ -703,7 +703,7 @@ def summary_rows(summaries: PageSummaries, host: PageSummaries | None, name: str
     (negative ids: host_ref(h) = -1 - h, looked up in `host`) -> [*ids.shape, *field dims]."""
     def one(s: PageSummaries, i: torch.Tensor) -> torch.Tensor:
         if s.codes and name in ("kmin", "kmax"):  # 8-bit codes: their values, codes x 2^e
-            return s.bounds(layer, i)[name == "kmax"]
+            return s.values(name, layer, i)
         return getattr(s, name)[layer][i]
 
     if host is None:

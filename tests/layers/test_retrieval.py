@@ -64,7 +64,7 @@ def test_8bit_summaries_bound_the_keys_and_do_not_depend_on_how_rows_arrive():
     in runs, or a page at once) each page's codes are the ones encoded from all its keys at once
     (exact: the exponent only grows, and the old codes shift with floor / ceil); their values bound
     the keys from outside within one code step of 2^e; refresh and copy_rows agree."""
-    from kvtier.kv.summaries import encode_bounds, exponents, pow2
+    from kvtier.kv.summaries import encode_pages, pow2
     layers, hkv, pages = 2, 3, 10
     s = PageSummaries(layers, pages, hkv, D, PS, "cpu", torch.int8, sums=False)
     assert s.codes and s.bits == 8 and s.bytes_per_page_layer() == 2 * hkv * D + hkv + 4
@@ -72,8 +72,7 @@ def test_8bit_summaries_bound_the_keys_and_do_not_depend_on_how_rows_arrive():
     for (layer, p), rs in rows.items():
         ks = torch.stack(rs)  # [n, Hkv, D]
         lo, hi = ks.amin(0), ks.amax(0)
-        e = exponents(torch.maximum(lo.abs(), hi.abs()).amax(-1))
-        cmin, cmax = encode_bounds(lo, hi, e)
+        cmin, cmax, e = encode_pages(lo, hi)
         assert int(s.count[layer, p]) == len(rs)
         assert torch.equal(s.kexp[layer, p].int(), e)
         assert torch.equal(s.kmin[layer, p].int(), cmin) and torch.equal(s.kmax[layer, p].int(), cmax)

@@ -244,12 +244,10 @@ def check_quest_scores(ra, hkv: int, g: int, d: int, with_host: bool, seed: int)
 def _codes(rows: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
     """(kmin, kmax, count) fp32 -> 8-bit summaries (kmin, kmax codes, count, kexp), as
     PageSummaries.refresh encodes them (empty pages: zero codes)."""
-    from kvtier.kv.summaries import encode_bounds, exponents
+    from kvtier.kv.summaries import encode_pages
     kmin, kmax, count = rows
     some = (count > 0)[:, None, None]
-    lo, hi = torch.where(some, kmin, 0.0), torch.where(some, kmax, 0.0)
-    e = exponents(torch.maximum(lo.abs(), hi.abs()).amax(-1))
-    lo, hi = encode_bounds(lo, hi, e)
+    lo, hi, e = encode_pages(torch.where(some, kmin, 0.0), torch.where(some, kmax, 0.0))
     return lo.to(torch.int8), hi.to(torch.int8), count, e.to(torch.int8)
 
 
