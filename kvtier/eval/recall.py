@@ -31,7 +31,7 @@ from kvtier.kv.pool import PagePool
 from kvtier.kv.summaries import PageSummaries
 from kvtier.layers.attention import AttentionMetadata, DensePagedAttention
 from kvtier.config import DEFAULT_SINK, DEFAULT_WINDOW, SELECTORS, RetrievalConfig
-from kvtier.layers.retrieval import RetrievalAttention
+from kvtier.layers.retrieval import RetrievalAttention, refresh_from_pool
 from kvtier.models.decoder import compute_dtype
 
 DENSE = "dense"
@@ -130,10 +130,7 @@ class _Runner:
             return
         ids = torch.arange(-(-n // self.ps), device=self.device)
         rows = (n - ids * self.ps).clamp(max=self.ps).to(torch.int32)
-        for layer in range(self.pool.num_layers):
-            k, _ = self.pool.read(layer, ids)  # [P, Hkv, S, D]
-            for summ in others:
-                summ.refresh(layer, ids, k, rows)
+        refresh_from_pool(self.pool, others, ids, rows)
 
     def greedy(self, method: str, first: int, start: int, max_new: int, stop: frozenset[int]) -> list[int]:
         """Greedy decode from `first` (sampled from the prefill) at position `start`."""

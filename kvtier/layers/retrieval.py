@@ -57,6 +57,7 @@ import torch
 
 from kvtier.config import RetrievalConfig
 from kvtier.kernels import cpu_ops
+from kvtier.kernels import retrieval_attention as ra
 from kvtier.kernels.fused import QKRope
 from kvtier.kernels.hot_pages import HotPages
 from kvtier.kv.summaries import PageSummaries
@@ -72,6 +73,19 @@ def graph_capable(config: RetrievalConfig, head_dim: int, device: torch.device) 
     """Whether decode steps of this retrieval config can be captured in CUDA graphs: on CUDA, with a
     selector scored by a kernel; the selected pages are read by the selected-pages kernel."""
     return device.type == "cuda" and config.selector in GRAPH_SELECTORS and head_dim & (head_dim - 1) == 0
+
+
+def refresh_from_pool(store, targets: list[PageSummaries], ids: torch.Tensor, rows: torch.Tensor) -> None:
+    """Each of `targets` recomputes pages `ids` (holding `rows` [P] int32 rows each) from the
+    pool's keys: read back once per layer (K minus the pool's smoothing shift, where the format
+    smooths), the shift added again, so summaries bound raw q.k."""
+    for layer in range(store.num_layers):
+        k, _ = store.read(layer, ids)  # [P, Hkv, S, D]
+        shift = store.k_shift[layer]
+        if shift is not None:
+            k = k.float() + shift.float()[None, :, None, :]
+        for summ in targets:
+            summ.refresh(layer, ids, k, rows)
 
 
 class RetrievalAttention:
@@ -199,18 +213,11 @@ class RetrievalAttention:
         self._refresh(page_ids)
 
     def _refresh(self, page_ids: list[int]) -> None:
-        """Summaries recomputed from the pool: read back per layer (K minus the pool's smoothing
-        shift), the shift added again: summaries bound raw q.k. Whole pages: only full pages
-        move between tiers."""
+        """Summaries of whole pages (only full pages move between tiers) recomputed from the pool."""
         store = self.store
         ids = torch.tensor(page_ids, dtype=torch.long, device=store.device)
         rows = torch.full((len(page_ids),), store.page_size, dtype=torch.int32, device=store.device)
-        for layer in range(store.num_layers):
-            k, _ = store.read(layer, ids)  # [P, Hkv, S, D], minus k_shift[layer] (smoothing formats)
-            shift = store.k_shift[layer]
-            if shift is not None:
-                k = k.float() + shift.float()[None, :, None, :]
-            self.summaries.refresh(layer, ids, k, rows)
+        refresh_from_pool(store, [self.summaries], ids, rows)
 
     @property
     def graphable(self) -> bool:
@@ -421,22 +428,20 @@ class RetrievalAttention:
         qg = q.view(r, hkv, -1, q.shape[-1])  # [R, Hkv, g, D]; page_scores takes it in any float dtype
         score = lambda name: self._scores(name, qg, layer, sel)  # noqa: E731
         if sel.pad is None:  # the fused path (`fused_select`, fixed by `_tables`): chunked top-k
-            from kvtier.kernels.retrieval_attention import topk_columns
-            best = lambda s, k: topk_columns(s, k, sel.limit)  # noqa: E731  (-1: a pick at -inf)
+            best = lambda s, k: ra.topk_columns(s, k, sel.limit)  # noqa: E731  (-1: a pick at -inf)
         else:
             best = lambda s, k: s.topk(k, dim=-1).indices  # noqa: E731
         if self.config.selector in HYBRIDS:  # half the picks by the Quest bound, the rest by a centre's score
             k1 = sel.k // 2
             s1, s2 = self._hybrid_scores(qg, layer, sel)
-            from kvtier.kernels import retrieval_attention as ra
             if sel.pad is None and ra.HYBRID_ONE_PASS:  # both top-k in one pass; the list kernel excludes
                 top1, cand2 = ra.hybrid_columns(s1, k1, s2, sel.k - k1, sel.limit)
                 return ra.assemble_lists(top1, sel.cand_idx, sel.cand_ids, sel.fixed_idx, sel.fixed_ids, sel.top_k,
                                          second=(cand2, sel.k - k1))
             if sel.pad is None:  # both halves into one list; the first's merge strikes its picks from s2
                 top = torch.empty((r, hkv, sel.k), dtype=torch.int64, device=q.device)
-                topk_columns(s1, k1, sel.limit, out=top[..., :k1], exclude=s2)
-                topk_columns(s2, sel.k - k1, sel.limit, out=top[..., k1:])
+                ra.topk_columns(s1, k1, sel.limit, out=top[..., :k1], exclude=s2)
+                ra.topk_columns(s2, sel.k - k1, sel.limit, out=top[..., k1:])
             else:
                 top1 = best(s1, k1)
                 # a -1 in top1 means it took every candidate: clamped, it masks column 0 (never one)
@@ -445,10 +450,8 @@ class RetrievalAttention:
         else:
             top = best(score(self.config.selector), sel.k)  # [R, Hkv, K]
         if sel.pad is None:
-            from kvtier.kernels.retrieval_attention import assemble_lists
-            return assemble_lists(top, sel.cand_idx, sel.cand_ids, sel.fixed_idx, sel.fixed_ids, sel.top_k)
-        from kvtier.kernels.retrieval_attention import assemble_lists_reference
-        return assemble_lists_reference(top, sel.cand_idx, sel.cand_ids, sel.fixed_idx, sel.fixed_ids, sel.top_k)
+            return ra.assemble_lists(top, sel.cand_idx, sel.cand_ids, sel.fixed_idx, sel.fixed_ids, sel.top_k)
+        return ra.assemble_lists_reference(top, sel.cand_idx, sel.cand_ids, sel.fixed_idx, sel.fixed_ids, sel.top_k)
 
     @property
     def fused_select(self) -> bool:
@@ -490,8 +493,7 @@ class RetrievalAttention:
                                           cpu_ops.MIN_SPLIT)
         qn = self.store.native_q(layer, q) if self.native else q
         if not sel.has_host and not self.record:  # each kv head reads only its own pages (as the kernel)
-            from kvtier.kernels.retrieval_attention import paged_decode_selected_reference
-            o = paged_decode_selected_reference(qn, self.store.layers[layer], self.store.fmt, ids, page_idx, None,
+            o = ra.paged_decode_selected_reference(qn, self.store.layers[layer], self.store.fmt, ids, page_idx, None,
                                                 sel.ctx, self.scale, sink=self.store.kernel_sink(layer))
             self.retrieved_rows += r
             return self.store.native_out(o) if self.native else o
@@ -513,13 +515,12 @@ class RetrievalAttention:
     def _retrieve_kernel(self, layer: int, q: torch.Tensor, sel: "_Selection", page_idx: torch.Tensor,
                          ids: torch.Tensor) -> torch.Tensor:
         """The same attention by the split-K kernel over each kv head's own list (raw q in)."""
-        from kvtier.kernels.retrieval_attention import paged_decode_selected, selected_num_splits
         store, fmt = self.store, self.store.fmt
         r, hkv, n_sel = page_idx.shape
         sink = store.kernel_sink(layer)
         # rows rounded up to a power of two: an eager step and the padded graph replaying it split
         # alike (captured sizes never pass the next power of two, engine/cuda_graph.py)
-        splits = selected_num_splits(1 << max(0, r - 1).bit_length(), hkv, n_sel, store.page_size, self.num_sms)
+        splits = ra.selected_num_splits(1 << max(0, r - 1).bit_length(), hkv, n_sel, store.page_size, self.num_sms)
         native = store.kernel_native(layer, q.shape[-1]) if self.native else None
         if self.native and native is None:
             q = store.native_q(layer, q)
@@ -527,7 +528,7 @@ class RetrievalAttention:
         self.in_place_host_rows += r if alt is not None else 0
         if alt is not None and self.hot is not None:  # chosen host pages cached on the GPU read there
             ids = self.hot.lookup(layer, store.layers[layer], alt, ids, page_idx)
-        o = paged_decode_selected(q, store.layers[layer], fmt, ids, page_idx, None, sel.ctx, self.scale, splits,
+        o = ra.paged_decode_selected(q, store.layers[layer], fmt, ids, page_idx, None, sel.ctx, self.scale, splits,
                                   sink=sink, native=native, alt=alt)
         return store.native_out(o) if self.native and native is None else o
 
@@ -718,11 +719,10 @@ def layer_quest_scores(qg: torch.Tensor, summaries: PageSummaries, host: PageSum
                        cand_idx: torch.Tensor | None, midrange: bool = False):
     """kernels/retrieval_attention.py quest_scores over one layer's summaries of both tiers (its
     arguments and result)."""
-    from kvtier.kernels.retrieval_attention import quest_scores
     def rows(t: PageSummaries) -> tuple[torch.Tensor, ...]:
         got = (t.kmin[layer], t.kmax[layer], t.count[layer])
         return got + (t.kexp[layer],) if t.kexp is not None else got  # 8-bit codes: their exponents
-    return quest_scores(qg, rows(summaries), cand_ids, reduce_max, rows(host) if host is not None else None, limit,
+    return ra.quest_scores(qg, rows(summaries), cand_ids, reduce_max, rows(host) if host is not None else None, limit,
                         cand_idx, midrange=midrange)
 
 
@@ -744,9 +744,8 @@ def page_scores(selector: str, qg: torch.Tensor, summaries: PageSummaries, layer
                                  midrange=selector == "midrange")
         return got[1] if selector == "midrange" else got  # midrange: hybrid-mid's launch, the bound discarded
     if kernel and selector == "centroid" and d & (d - 1) == 0:
-        from kvtier.kernels.retrieval_attention import centroid_scores
         rows = lambda t: (t.ksum[layer], t.count[layer])  # noqa: E731
-        return centroid_scores(qg, rows(summaries), cand_ids, rows(host) if host is not None else None, limit,
+        return ra.centroid_scores(qg, rows(summaries), cand_ids, rows(host) if host is not None else None, limit,
                                cand_idx)
     qg = qg.float()
     if (selector in ("quest", "quest-max") and host is None and not summaries.codes
