@@ -180,10 +180,6 @@ TOPK_MERGE_KEYS_PER_WARP = 128  # the merge program's warps: its keys / this, 4 
 # time into a running best was slower where all are live (19.8 -> 24.9 us), so past GROUP live
 # chunks it is one sort of all of them, as before.
 TOPK_MERGE_GROUP = 4
-# A hybrid selector's two top-k (the bound's, then the second score's without the bound's picks)
-# in one chunk launch and one merge launch (`hybrid_columns`), the exclusion in the list kernel,
-# instead of two launches each in series. Interpreter cases only: off until a GPU times it.
-HYBRID_ONE_PASS = False
 
 if HAVE_TRITON:
     import triton
@@ -362,23 +358,20 @@ if HAVE_TRITON:
         low = tl.full([], 0xFFFFFFFF, tl.int64)
         return (b.to(tl.int64) << 32) | (low - c.to(tl.int64))
 
-    @triton.jit(do_not_specialize=["H", "C", "NCH", "RH"])
-    def _topk_chunk_kernel(s_ptr, live_ptr, out_ptr, H, C, NCH, RH, CH: tl.constexpr, KP: tl.constexpr,
+    @triton.jit(do_not_specialize=["H", "C", "NCH"])
+    def _topk_chunk_kernel(s_ptr, live_ptr, out_ptr, H, C, NCH, CH: tl.constexpr, KP: tl.constexpr,
                            HAS_LIVE: tl.constexpr, PDL: tl.constexpr = False):
-        """One (row-head rh, chunk of CH columns, table t of RH row-heads each): the chunk's KP best
-        keys, sorted. Columns at or past live[rh // H] score -inf unread; a chunk wholly past it
-        writes its first KP columns' -inf keys without sorting (a captured step's table is mostly
-        past the context)."""
+        """One (row-head rh, chunk of CH columns): the chunk's KP best keys, sorted. Columns at or
+        past live[rh // H] score -inf unread; a chunk wholly past it writes its first KP columns'
+        -inf keys without sorting (a captured step's table is mostly past the context)."""
         wait_before_reads(PDL)
         rh = tl.program_id(0)
         ch = tl.program_id(1)
-        t = tl.program_id(2)
-        s_ptr += t.to(tl.int64) * RH * C
         c0 = ch * CH
         n = C
         if HAS_LIVE:
             n = tl.minimum(tl.load(live_ptr + rh // H).to(tl.int32), C)
-        dst = out_ptr + ((t * RH + rh).to(tl.int64) * NCH + ch) * KP + tl.arange(0, KP)
+        dst = out_ptr + (rh.to(tl.int64) * NCH + ch) * KP + tl.arange(0, KP)
         if c0 >= n:
             c = c0 + tl.arange(0, KP)
             key = _column_keys(tl.full([KP], float("-inf"), tl.float32), c)
@@ -389,21 +382,19 @@ if HAVE_TRITON:
         key = tl.where(c < C, _column_keys(s, c), NO_KEY)
         tl.store(dst, tl.topk(key, KP))
 
-    @triton.jit(do_not_specialize=["NCH", "K", "H", "C", "CH", "OUT_STRIDE", "RH", "K2", "OUT2_STRIDE"])
-    def _topk_merge_kernel(key_ptr, live_ptr, out_ptr, exc_ptr, out2_ptr, NCH, K, H, C, CH, OUT_STRIDE, RH, K2,
-                           OUT2_STRIDE, KP: tl.constexpr, NP: tl.constexpr, GROUP: tl.constexpr,
-                           EXCLUDE: tl.constexpr = False, PDL: tl.constexpr = False):
-        """One (row-head, table): the K best of its chunks' keys -> columns, best first, at out_ptr
-        + rh * OUT_STRIDE (table 1 of two: the K2 best at out2_ptr + rh * OUT2_STRIDE); a pick whose
-        score is -inf comes back as column -1. All NCH chunks' keys in one sort of NP, except
-        (GROUP > 0, which takes live_ptr) where at most GROUP chunks hold a column below
-        live[rh // H]: then only theirs, one sort of GROUP * KP (past live every key is -inf: those
-        picks are -1 either way). EXCLUDE: -inf written at each pick's column of another
-        [rows x H, C] score table (exc_ptr), so that a later top-k over it skips them."""
+    @triton.jit(do_not_specialize=["NCH", "K", "H", "C", "CH", "OUT_STRIDE"])
+    def _topk_merge_kernel(key_ptr, live_ptr, out_ptr, exc_ptr, NCH, K, H, C, CH, OUT_STRIDE, KP: tl.constexpr,
+                           NP: tl.constexpr, GROUP: tl.constexpr, EXCLUDE: tl.constexpr = False,
+                           PDL: tl.constexpr = False):
+        """One row-head: the K best of its chunks' keys -> columns, best first, at out_ptr + rh *
+        OUT_STRIDE; a pick whose score is -inf comes back as column -1. All NCH chunks' keys in one
+        sort of NP, except (GROUP > 0, which takes live_ptr) where at most GROUP chunks hold a
+        column below live[rh // H]: then only theirs, one sort of GROUP * KP (past live every key
+        is -inf: those picks are -1 either way). EXCLUDE: -inf written at each pick's column of
+        another [rows x H, C] score table (exc_ptr), so that a later top-k over it skips them."""
         wait_before_reads(PDL)
         rh = tl.program_id(0)
-        tab = tl.program_id(1)
-        base = key_ptr + (tab * RH + rh).to(tl.int64) * NCH * KP
+        base = key_ptr + rh.to(tl.int64) * NCH * KP
         n = NCH
         if GROUP > 0:
             lv = tl.minimum(tl.load(live_ptr + rh // H).to(tl.int32), C)
@@ -418,32 +409,26 @@ if HAVE_TRITON:
         col = low - (top & low)
         live = (top >> 32) > -0x7F800001  # above -inf's key (0x807FFFFF as a signed int32)
         j = tl.arange(0, KP)
-        if tab == 0:
-            tl.store(out_ptr + rh.to(tl.int64) * OUT_STRIDE + j, tl.where(live, col, -1), mask=j < K)
-        else:
-            tl.store(out2_ptr + rh.to(tl.int64) * OUT2_STRIDE + j, tl.where(live, col, -1), mask=j < K2)
+        tl.store(out_ptr + rh.to(tl.int64) * OUT_STRIDE + j, tl.where(live, col, -1), mask=j < K)
         if EXCLUDE:
             tl.store(exc_ptr + rh.to(tl.int64) * C + col, tl.full([KP], float("-inf"), tl.float32),
                      mask=(j < K) & live)
 
-    @triton.jit(do_not_specialize=["Hkv", "C", "F", "K", "K2"])
-    def _assemble_kernel(top_ptr, cidx_ptr, cids_ptr, fidx_ptr, fids_ptr, topk_ptr, idx_ptr, ids_ptr, c2_ptr, Hkv, C,
-                         F, K, K2, BLOCK: tl.constexpr, KP1: tl.constexpr = 1, KP2: tl.constexpr = 1,
-                         PDL: tl.constexpr = False):
+    @triton.jit(do_not_specialize=["Hkv", "C", "F", "K"])
+    def _assemble_kernel(top_ptr, cidx_ptr, cids_ptr, fidx_ptr, fids_ptr, topk_ptr, idx_ptr, ids_ptr, Hkv, C, F, K,
+                         BLOCK: tl.constexpr, PDL: tl.constexpr = False):
         """One (row r, kv head h): list entries 0 .. F-1 are the row's fixed pages, F .. F+K-1 its
-        top-k candidates (top: candidate columns); page index -1 where an entry reads nothing.
-        K2 > 0 (a hybrid's second half, `hybrid_columns`): entries F+K .. F+K+K2-1 are the first K2
-        columns of c2 (KP2 a row-head, best first, -1: none) that top's K (<= KP1) do not hold."""
+        top-k candidates (top: candidate columns); page index -1 where an entry reads nothing."""
         wait_before_reads(PDL)
         r = tl.program_id(0)
         h = tl.program_id(1)
         rh = r * Hkv + h
-        n_sel = F + K + K2
+        n_sel = F + K
         kr = tl.load(topk_ptr + r)
-        for j0 in range(0, F + K, BLOCK):
+        for j0 in range(0, n_sel, BLOCK):
             j = j0 + tl.arange(0, BLOCK)
             fixed = j < F
-            cand = (j >= F) & (j < F + K)
+            cand = (j >= F) & (j < n_sel)
             fi = tl.load(fidx_ptr + r * F + j, mask=fixed, other=-1)
             fid = tl.load(fids_ptr + r * F + j, mask=fixed, other=0)
             t = tl.load(top_ptr + rh.to(tl.int64) * K + (j - F), mask=cand, other=-1)
@@ -451,28 +436,8 @@ if HAVE_TRITON:
             cid = tl.load(cids_ptr + r.to(tl.int64) * C + t, mask=cand & (t >= 0), other=0)
             idx = tl.where(fixed, fi, tl.where((j - F < kr) & (ci >= 0), ci, -1))
             out = rh.to(tl.int64) * n_sel + j
-            tl.store(idx_ptr + out, idx, mask=j < F + K)
-            tl.store(ids_ptr + out, tl.where(fixed, fid, cid), mask=j < F + K)
-        if K2 > 0:  # c2's columns that top lacks, in c2's order: the i-th of them is entry F + K + i
-            p1 = tl.arange(0, KP1)
-            t1 = tl.load(top_ptr + rh.to(tl.int64) * K + p1, mask=p1 < K, other=-1).to(tl.int32)
-            s = tl.arange(0, KP2)
-            c2 = tl.load(c2_ptr + rh.to(tl.int64) * KP2 + s).to(tl.int32)
-            taken = tl.max(((c2[:, None] == t1[None, :]) & (t1[None, :] >= 0)).to(tl.int32), axis=1) > 0
-            keep = (c2 >= 0) & (~taken)
-            rank = tl.cumsum(keep.to(tl.int32), axis=0) - 1
-            put = keep & (rank < K2)
-            ci = tl.load(cidx_ptr + r.to(tl.int64) * C + c2, mask=put, other=-1)
-            cid = tl.load(cids_ptr + r.to(tl.int64) * C + c2, mask=put, other=0)
-            j = F + K + rank
-            out = rh.to(tl.int64) * n_sel + j
-            tl.store(idx_ptr + out, tl.where((j - F < kr) & (ci >= 0), ci, -1), mask=put)
-            tl.store(ids_ptr + out, cid, mask=put)
-            # the entries no column reached (fewer live than K2): disjoint from the ones above
-            rest = (s >= tl.sum(keep.to(tl.int32), axis=0)) & (s < K2)
-            out = rh.to(tl.int64) * n_sel + F + K + s
-            tl.store(idx_ptr + out, tl.full([KP2], -1, tl.int64), mask=rest)
-            tl.store(ids_ptr + out, tl.zeros([KP2], tl.int64), mask=rest)
+            tl.store(idx_ptr + out, idx, mask=j < n_sel)
+            tl.store(ids_ptr + out, tl.where(fixed, fid, cid), mask=j < n_sel)
 
     @triton.jit(do_not_specialize=["T", "Hkv", "S"])
     def _summary_rows_kernel(slot_ptr, k_ptr, kmin_ptr, kmax_ptr, ksum_ptr, cnt_ptr, kexp_ptr, stride_kt, T, Hkv, S,
@@ -552,8 +517,7 @@ def centroid_scores(qg: torch.Tensor, dev: CentroidRows, cand_ids: torch.Tensor,
 
 
 def assemble_lists(top: torch.Tensor, cand_idx: torch.Tensor, cand_ids: torch.Tensor, fixed_idx: torch.Tensor,
-                   fixed_ids: torch.Tensor, top_k: torch.Tensor,
-                   second: tuple[torch.Tensor, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                   fixed_ids: torch.Tensor, top_k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The per-(row, kv head) page lists of a selection, in one launch.
 
     top: [R, Hkv, K] candidate columns (top-k of the scores; -1: none); cand_idx / cand_ids: [R, C] each
@@ -561,22 +525,18 @@ def assemble_lists(top: torch.Tensor, cand_idx: torch.Tensor, cand_ids: torch.Te
     fixed pages (sink, window, pinned; -1: none); top_k: [R] candidates row r may take.
     -> (page_idx, page_ids) [R, Hkv, F + K] int64: the fixed entries, then the candidates; page
     index -1 where an entry reads nothing (no fixed page, past top_k[r], not a candidate).
-    second: (cand2 [R, Hkv, KP2] int64, k2) from `hybrid_columns`: k2 more candidate entries, the
-    first k2 columns of cand2 that top does not hold (-> [R, Hkv, F + K + k2]).
     `assemble_lists_reference` is the same in PyTorch."""
     if not HAVE_TRITON:
         raise RuntimeError("assemble_lists needs Triton; use assemble_lists_reference on CPU")
     r, hkv, k = top.shape
     f, c = fixed_idx.shape[1], cand_idx.shape[1]
-    c2, k2 = second if second is not None else (top, 0)
-    idx = torch.empty((r, hkv, f + k + k2), dtype=torch.int64, device=top.device)
+    idx = torch.empty((r, hkv, f + k), dtype=torch.int64, device=top.device)
     ids = torch.empty_like(idx)
-    if r and f + k + k2:
+    if r and f + k:
         _assemble_kernel[(r, hkv)](top.contiguous(), cand_idx.contiguous(), cand_ids.contiguous(),
-                                   fixed_idx.contiguous(), fixed_ids.contiguous(), top_k.contiguous(), idx, ids,
-                                   c2.contiguous(), hkv, c, f, k, k2, BLOCK=min(128, triton.next_power_of_2(f + k)),
-                                   KP1=max(2, triton.next_power_of_2(k)), KP2=c2.shape[-1] if k2 else 1,
-                                   num_warps=1 if not k2 else 4, **pdl.launch_args(top.device))
+                                   fixed_idx.contiguous(), fixed_ids.contiguous(), top_k.contiguous(), idx, ids, hkv,
+                                   c, f, k, BLOCK=min(128, triton.next_power_of_2(f + k)), num_warps=1,
+                                   **pdl.launch_args(top.device))
     return idx, ids
 
 
@@ -606,56 +566,22 @@ def topk_columns(scores: torch.Tensor, k: int, live: torch.Tensor | None = None,
         raise ValueError(f"topk_columns: exclude must be a contiguous fp32 {tuple(scores.shape)} table")
     if r * h == 0 or k == 0:
         return out
-    _launch_topk(scores.contiguous(), 1, k, live, out, exclude)
-    return out
-
-
-def _launch_topk(s: torch.Tensor, tables: int, k: int, live: torch.Tensor | None, out: torch.Tensor,
-                 exclude: torch.Tensor | None = None, out2: torch.Tensor | None = None, k2: int = 0) -> None:
-    """topk_columns' two launches over `tables` contiguous [R, H, C] score tables in s: table 0's
-    k picks into out, table 1's k2 into out2 (each at most KP = k or k2 rounded up a power of two)."""
-    *_, r, h, c = s.shape
-    kp = max(2, triton.next_power_of_2(max(k, k2)))  # k = 1 as a one-key tl.topk failed on an H100 (untraced)
+    kp = max(2, triton.next_power_of_2(k))  # k = 1 as a one-key tl.topk failed on an H100 (untraced)
     ch = max(TOPK_CHUNK, TOPK_CHUNK_PICKS * kp, triton.next_power_of_2(triton.cdiv(c, TOPK_MAX_CHUNKS)))
     nch = triton.cdiv(c, ch)
-    keys = torch.empty((tables, r * h, nch, kp), dtype=torch.int64, device=s.device)
-    _topk_chunk_kernel[(r * h, nch, tables)](s, live.contiguous() if live is not None else s, keys, h, c, nch, r * h,
-                                             CH=ch, KP=kp, HAS_LIVE=live is not None, num_warps=TOPK_CHUNK_WARPS,
-                                             **pdl.launch_args(s.device))
+    keys = torch.empty((r * h, nch, kp), dtype=torch.int64, device=scores.device)
+    s = scores.contiguous()
+    _topk_chunk_kernel[(r * h, nch)](s, live.contiguous() if live is not None else s, keys, h, c, nch, CH=ch, KP=kp,
+                                     HAS_LIVE=live is not None, num_warps=TOPK_CHUNK_WARPS,
+                                     **pdl.launch_args(s.device))
     group = TOPK_MERGE_GROUP if 0 < TOPK_MERGE_GROUP < nch and live is not None else 0
     np_ = triton.next_power_of_2(nch) * kp
-    o2 = out2 if out2 is not None else out
-    _topk_merge_kernel[(r * h, tables)](keys, live.contiguous() if group else keys, out,
-                                        exclude if exclude is not None else s, o2, nch, k, h, c, ch, out.stride(1),
-                                        r * h, k2, o2.stride(1), KP=kp, NP=np_, GROUP=group,
-                                        EXCLUDE=exclude is not None,
-                                        num_warps=min(16, max(4, np_ // TOPK_MERGE_KEYS_PER_WARP)),
-                                        **pdl.launch_args(s.device))
-
-
-def hybrid_columns(s1: torch.Tensor, k1: int, s2: torch.Tensor, k2: int, live: torch.Tensor | None,
-                   out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """A hybrid selector's two top-k in one chunk launch and one merge launch (HYBRID_ONE_PASS):
-    (top1, cand2) = (topk_columns(s1, k1, live), topk_columns(s2, k1 + k2, live) in a [R, H, KP]
-    table padded with -1). s2's best k2 columns that top1 lacks lie among cand2's first k1 + k2, at
-    most k1 of which top1 holds: assemble_lists(..., second=(cand2, k2)) takes them, the same list
-    as topk_columns(s1, k1, exclude=s2) then topk_columns(s2, k2) give. s1 / s2: [R, H, C] fp32
-    (adjacent in memory, as quest_scores(midrange=True) writes them, or copied so); out: top1's
-    tensor (as topk_columns'). No host sync."""
-    if not HAVE_TRITON:
-        raise RuntimeError("hybrid_columns needs Triton")
-    r, h, c = s1.shape
-    if s2.shape != s1.shape or not 0 <= k1 <= c or not 0 <= k1 + k2 <= c:
-        raise ValueError(f"hybrid_columns: tables {tuple(s1.shape)} / {tuple(s2.shape)}, k {k1} + {k2}")
-    out = _topk_out(out, r, h, k1, s1.device)
-    cand2 = torch.full((r, h, max(2, triton.next_power_of_2(k1 + k2))), -1, dtype=torch.int64, device=s1.device)
-    if r * h == 0 or k1 + k2 == 0:
-        return out, cand2
-    adjacent = (s1.is_contiguous() and s2.is_contiguous() and s1.dtype == s2.dtype == torch.float32
-                and s2.data_ptr() == s1.data_ptr() + s1.numel() * 4)
-    both = torch.as_strided(s1, (2, r, h, c), (r * h * c, h * c, c, 1)) if adjacent else torch.stack([s1, s2]).float()
-    _launch_topk(both, 2, k1, live, out, out2=cand2, k2=k1 + k2)
-    return out, cand2
+    _topk_merge_kernel[(r * h,)](keys, live.contiguous() if group else keys, out,
+                                 exclude if exclude is not None else s, nch, k, h, c, ch, out.stride(1), KP=kp,
+                                 NP=np_, GROUP=group, EXCLUDE=exclude is not None,
+                                 num_warps=min(16, max(4, np_ // TOPK_MERGE_KEYS_PER_WARP)),
+                                 **pdl.launch_args(s.device))
+    return out
 
 
 def _topk_out(out: torch.Tensor | None, r: int, h: int, k: int, device: torch.device) -> torch.Tensor:
@@ -736,8 +662,8 @@ def _launch_scores(qg: torch.Tensor, dev: tuple, cand_ids: torch.Tensor, host: t
     if centroid:
         dev, host = (dev[0], dev[0], dev[1]), (host[0], host[0], host[1]) if host is not None else None
     c = cand_ids.shape[1]
-    both = torch.empty((1 + midrange, r, hkv, c), dtype=torch.float32, device=qg.device)
-    out, mid = both[0], both[1] if midrange else None  # adjacent: hybrid_columns reads both in one launch
+    out = torch.empty((r, hkv, c), dtype=torch.float32, device=qg.device)
+    mid = torch.empty_like(out) if midrange else None
     if r == 0 or c == 0:
         return out, mid
     codes = len(dev) == 4

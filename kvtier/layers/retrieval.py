@@ -434,10 +434,6 @@ class RetrievalAttention:
         if self.config.selector in HYBRIDS:  # half the picks by the Quest bound, the rest by a centre's score
             k1 = sel.k // 2
             s1, s2 = self._hybrid_scores(qg, layer, sel)
-            if sel.pad is None and ra.HYBRID_ONE_PASS:  # both top-k in one pass; the list kernel excludes
-                top1, cand2 = ra.hybrid_columns(s1, k1, s2, sel.k - k1, sel.limit)
-                return ra.assemble_lists(top1, sel.cand_idx, sel.cand_ids, sel.fixed_idx, sel.fixed_ids, sel.top_k,
-                                         second=(cand2, sel.k - k1))
             if sel.pad is None:  # both halves into one list; the first's merge strikes its picks from s2
                 top = torch.empty((r, hkv, sel.k), dtype=torch.int64, device=q.device)
                 ra.topk_columns(s1, k1, sel.limit, out=top[..., :k1], exclude=s2)

@@ -103,7 +103,7 @@ def test_retrieval_bf16_summaries_over_host_pages_equal_one_big_pool(model_bf16)
     this random model then flip; fp32 hides that). bf16 KV only: with k8v4 the first engine of a
     process gave other tokens than every later one of the same config (seen on an H100 with both
     fp32 and bf16 summaries, not yet explained; the closing note of 2026-12-06 has the run)."""
-    cfg, kv = RetrievalConfig(budget=96, sink=4, window=32), "bf16"
+    cfg, kv = RetrievalConfig(budget=96, sink=4, window=32, summary_bits=16), "bf16"  # 16: not CUDA's 8-bit default
     big, ref = run(model_bf16, kv, num_pages=128, retrieval=cfg, max_batch=1)
     small, eng = run(model_bf16, kv, num_pages=10, host_kv_mib=16, retrieval=cfg, max_batch=1)
     be = eng.runner.backend

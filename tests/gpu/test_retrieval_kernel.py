@@ -142,15 +142,6 @@ def test_selection_glue_kernels_match_references_cuda(seed: int) -> None:
     interp_cases.check_update_codes(ra, seed=1500 + seed, device="cuda")
 
 
-@pytest.mark.parametrize("c,k1,k2", [(67, 5, 6), (1100, 40, 41), (16386, 56, 56), (4352, 60, 61)])
-def test_hybrid_columns_match_the_two_pass_lists_cuda(c: int, k1: int, k2: int) -> None:
-    """HYBRID_ONE_PASS's top-k (one chunk and one merge launch over both scores, the exclusion in
-    the list kernel) == the two-pass references' lists, at a 256K table's width too."""
-    from kvtier.kernels import retrieval_attention as ra
-    for seed in (0, 1):
-        interp_cases.check_hybrid_columns(ra, seed=1600 + seed + c, device="cuda", c=c, k1=k1, k2=k2)
-
-
 @pytest.mark.parametrize("r,h,c,k", [(1, 8, 16386, 56), (2, 8, 16386, 112), (3, 4, 4352, 128), (1, 2, 70000, 200),
                                      (2, 3, 37, 5), (2, 1, 9, 9),
                                      (2, 2, 65, 1), (1, 2, 65, 2)])

@@ -116,10 +116,8 @@ def test_selection_kernels_compile() -> None:
                                     "kexp_ptr": "*i8", "hexp_ptr": "*i8"},
                  dict(D=128, BLOCK_C=ra.SCORE_TILE // 128, REDUCE_MAX=reduce_max, HAS_HOST=True, HAS_LIMIT=True,
                       CENTROID=False, FILL=True, MID=mid, CODES=codes))
-    lists = {n: "*i64" for n in ("top_ptr", "cidx_ptr", "cids_ptr", "fidx_ptr", "fids_ptr", "topk_ptr", "idx_ptr",
-                                 "ids_ptr", "c2_ptr")}
-    _compile(ra._assemble_kernel, lists, dict(BLOCK=128, KP1=1, KP2=1), warps=1)
-    _compile(ra._assemble_kernel, lists, dict(BLOCK=64, KP1=64, KP2=128), warps=4)  # a hybrid's second half
+    _compile(ra._assemble_kernel, {n: "*i64" for n in ("top_ptr", "cidx_ptr", "cids_ptr", "fidx_ptr", "fids_ptr",
+                                                       "topk_ptr", "idx_ptr", "ids_ptr")}, dict(BLOCK=128), warps=1)
     for has_sum in (True, False):
         _compile(ra._summary_rows_kernel, {"slot_ptr": "*i64", "k_ptr": "*bf16", "kmin_ptr": "*fp32",
                                            "kmax_ptr": "*fp32", "ksum_ptr": "*fp32", "cnt_ptr": "*i32"},
@@ -133,7 +131,7 @@ def test_selection_kernels_compile() -> None:
     # a hybrid's second scores
     for group, exclude in ((0, False), (4, False), (4, True)):
         _compile(ra._topk_merge_kernel, {"key_ptr": "*i64", "live_ptr": "*i64", "out_ptr": "*i64",
-                                         "exc_ptr": "*fp32", "out2_ptr": "*i64"},
+                                         "exc_ptr": "*fp32"},
                  dict(KP=64, NP=32 * 64, GROUP=group, EXCLUDE=exclude), warps=16)
 
 
@@ -216,12 +214,11 @@ def test_pdl_kernels_wait_before_reading() -> None:
                       CENTROID=False, FILL=True, MID=True, CODES=True, **pdl), launch_pdl=True),
         _compile(ra._topk_chunk_kernel, {"s_ptr": "*fp32", "live_ptr": "*i64", "out_ptr": "*i64"},
                  dict(CH=1024, KP=64, HAS_LIVE=True, **pdl), warps=ra.TOPK_CHUNK_WARPS, launch_pdl=True),
-        _compile(ra._topk_merge_kernel, {"key_ptr": "*i64", "live_ptr": "*i64", "out_ptr": "*i64", "exc_ptr": "*fp32",
-                                         "out2_ptr": "*i64"},
+        _compile(ra._topk_merge_kernel, {"key_ptr": "*i64", "live_ptr": "*i64", "out_ptr": "*i64", "exc_ptr": "*fp32"},
                  dict(KP=64, NP=32 * 64, GROUP=4, EXCLUDE=True, **pdl), warps=16, launch_pdl=True),
         _compile(ra._assemble_kernel, {n: "*i64" for n in ("top_ptr", "cidx_ptr", "cids_ptr", "fidx_ptr", "fids_ptr",
-                                                           "topk_ptr", "idx_ptr", "ids_ptr", "c2_ptr")},
-                 dict(BLOCK=64, KP1=64, KP2=128, **pdl), warps=4, launch_pdl=True),
+                                                           "topk_ptr", "idx_ptr", "ids_ptr")},
+                 dict(BLOCK=128, **pdl), warps=1, launch_pdl=True),
     ]
     assert [_loads_before_wait(k) for k in others] == [0] * len(others)
 

@@ -105,7 +105,6 @@ def main() -> None:
             check_update_summaries(ra, seed=1200 + i)
             check_update_summaries(ra, seed=1300 + i, dtype=torch.bfloat16)
             check_update_codes(ra, seed=1500 + i)
-            check_hybrid_columns(ra, seed=1600 + i)
         except AssertionError as e:
             failures.append(f"selection glue (seed {i}): {e}")
     for i, (name, gqa, selector, bits) in enumerate(BACKEND_CASES):  # RetrievalAttention wired to the kernels
@@ -113,13 +112,6 @@ def main() -> None:
             check_backend_kernel(name, gqa, seed=700 + i, selector=selector, bits=bits)
         except AssertionError as e:
             failures.append(f"RetrievalAttention kernel {name} gqa={gqa} {selector} {bits}-bit summaries: {e}")
-    ra.HYBRID_ONE_PASS = True  # the hybrids' two top-k in one pass, through the backend
-    for i, (name, gqa, selector, bits) in enumerate(c for c in BACKEND_CASES if c[2].startswith("hybrid")):
-        try:
-            check_backend_kernel(name, gqa, seed=750 + i, selector=selector, bits=bits)
-        except AssertionError as e:
-            failures.append(f"RetrievalAttention kernel, hybrid one pass, {name} {selector} {bits}-bit: {e}")
-    ra.HYBRID_ONE_PASS = False
     print("\n".join(failures) if failures else "ALL OK")
 
 
@@ -295,39 +287,6 @@ def check_topk(ra, r: int, h: int, c: int, k: int, seed: int, device: str = "cpu
         assert torch.equal(w[..., 2:2 + k], want), f"{name}: out= picks differ"
         assert bool((w[..., :2] == 7).all() and (w[..., 2 + k:] == 7).all()), f"{name}: wrote outside out="
         assert torch.equal(o, struck), f"{name}: exclude= struck other columns than the picks"
-
-
-def check_hybrid_columns(ra, seed: int, device: str = "cpu", c: int = 67, k1: int = 5, k2: int = 6) -> None:
-    """hybrid_columns + assemble_lists(second=) (HYBRID_ONE_PASS) == the two-pass lists: the bound's
-    top-k striking its picks from the second scores, then their top-k (the references), with ties,
-    +-inf scores and rows cut short by `live`; the scores adjacent in memory (as quest_scores writes
-    them) and apart."""
-    gen = torch.Generator().manual_seed(seed)
-    r, h, f = 3, 2, 4
-    both = torch.randn(2, r, h, c, generator=gen)
-    both[:, :, :, ::3] = torch.round(both[:, :, :, ::3])  # ties within and across the two scores
-    both[both < -1.6] = float("-inf")
-    both[0, 0, 0, 1] = both[1, 1, 0, 2] = float("inf")
-    live = torch.tensor([c, (k1 + k2) // 2, c - 9])  # row 1: fewer live columns than k1 + k2
-    cand_ids = torch.randint(0, 100, (r, c), generator=gen)
-    cand_idx = torch.where(torch.rand(r, c, generator=gen) < 0.8, torch.arange(c), -1)
-    fixed_idx = torch.where(torch.rand(r, f, generator=gen) < 0.7, torch.randint(0, 40, (r, f), generator=gen), -1)
-    fixed_ids = torch.randint(0, 100, (r, f), generator=gen)
-    top_k = torch.tensor([k1 + k2, k1 + k2, k1 + 2])
-    s2 = both[1].clone()
-    top = torch.cat([ra.topk_columns_reference(both[0], k1, live, exclude=s2), ra.topk_columns_reference(s2, k2, live)],
-                    dim=-1)
-    want = ra.assemble_lists_reference(top, cand_idx, cand_ids, fixed_idx, fixed_ids, top_k)
-    assert bool((want[0][:, :, f + k1:] >= 0).any()) and bool((want[0][:, :, f + k1:] < 0).any()), "vacuous"
-    dv = both.to(device)
-    for s1_, s2_ in ((dv[0], dv[1]), (dv[0].clone(), dv[1].clone())):
-        top1, cand2 = ra.hybrid_columns(s1_, k1, s2_, k2, live.to(device))
-        got = ra.assemble_lists(top1, *(t.to(device) for t in (cand_idx, cand_ids, fixed_idx, fixed_ids, top_k)),
-                                second=(cand2, k2))
-        got = [t.cpu() for t in got]
-        assert torch.equal(got[0], want[0]), "hybrid one pass: page indices differ"
-        ok = want[0] >= 0
-        assert torch.equal(got[1][ok], want[1][ok]), "hybrid one pass: page ids differ"
 
 
 def check_assemble(ra, seed: int, device: str = "cpu") -> None:
