@@ -4,12 +4,11 @@ min / max, 16-token pages).
 
     PYTHONPATH=. python3 tools/sweep_quest.py
 
-Cases: 128K and 256K contexts (256K also with 8-bit summaries: int8 codes), with the pages split
-between the compute pool (the first 4,166 pages: 66,656 tokens, what a 12 GiB plan of 8B-int4 k8v4
-keeps with hybrid-mid) and the host tier's summaries (the rest, by negative ids). Rows: the bound
-with and without the midrange scores, at four tile sizes (SCORE_TILE; 8-bit ones also as int8
-tensor-core products, SCORE_DOT); us a call from CUDA-graph replay, % of the measured bandwidth
-for the bytes the launch must read (min + max rows, ids, counts; scores written), and
+Cases: 128K and 256K contexts (256K also with 8-bit summaries: int8 codes), with the pages split between the compute pool (the first 4,166
+pages: 66,656 tokens, what a 12 GiB plan of 8B-int4 k8v4 keeps with hybrid-mid) and the host
+tier's summaries (the rest, by negative ids). Rows: the bound with and without the midrange
+scores, at three tile sizes (SCORE_TILE); us a call from CUDA-graph replay, % of the measured
+bandwidth for the bytes the launch must read (min + max rows, ids, counts; scores written), and
 the largest difference from quest_scores_reference relative to the scores' spread. (A variant
 that summed the bound by tensor-core products, timed with this tool, lost 3-5x and was removed:
 docs/benchmarks.md.)
@@ -50,7 +49,7 @@ def main() -> None:
     bw = measure_bandwidth(torch.device("cuda"))
     print(f"bandwidth {bw / 1e9:.0f} GB/s")
     g = torch.Generator(device="cuda").manual_seed(0)
-    base = ra.SCORE_TILE, ra.SCORE_TILE_CODES, ra.SCORE_DOT
+    base = ra.SCORE_TILE, ra.SCORE_TILE_CODES
     for ctx, bits in ((131072, 16), (262144, 16), (262144, 8)):
         c = ctx // PAGE
         dev, host = summaries(DEV_PAGES, g), summaries(c - DEV_PAGES, g)
@@ -65,20 +64,18 @@ def main() -> None:
         spread = (want.max() - want.min()).item()
         print(f"ctx {ctx}, {bits}-bit: {c} pages, {nbytes / 1e6:.1f} MB a launch ({nbytes / bw * 1e6:.1f} us at the "
               f"bandwidth)")
-        for dot in (False, True) if bits == 8 else (False,):
-            ra.SCORE_DOT = dot
-            for tile in (2048, 4096, 8192, 16384) if dot else (1024, 2048, 4096, 8192):
-                ra.SCORE_TILE = ra.SCORE_TILE_CODES = tile
-                for mid in (False, True):
-                    def run():
-                        return ra.quest_scores(qg, dev, ids, False, host, limit=lim, cand_idx=cand, midrange=mid)
-                    us = timed(run)
-                    got = run()
-                    got = got[0] if mid else got
-                    err = (got - want).abs().max().item() / spread
-                    print(f"   {'dot ' if dot else ''}tile {tile:5d} mid {mid:d}: {us:7.1f} us "
-                          f"{100 * nbytes / bw / (us * 1e-6):4.0f}%  max err {err:.1e} of the spread", flush=True)
-    ra.SCORE_TILE, ra.SCORE_TILE_CODES, ra.SCORE_DOT = base
+        for tile in (1024, 2048, 4096, 8192):
+            ra.SCORE_TILE = ra.SCORE_TILE_CODES = tile
+            for mid in (False, True):
+                def run():
+                    return ra.quest_scores(qg, dev, ids, False, host, limit=lim, cand_idx=cand, midrange=mid)
+                us = timed(run)
+                got = run()
+                got = got[0] if mid else got
+                err = (got - want).abs().max().item() / spread
+                print(f"   tile {tile:5d} mid {mid:d}: {us:7.1f} us {100 * nbytes / bw / (us * 1e-6):4.0f}%"
+                      f"  max err {err:.1e} of the spread", flush=True)
+    ra.SCORE_TILE, ra.SCORE_TILE_CODES = base
 
 
 if __name__ == "__main__":

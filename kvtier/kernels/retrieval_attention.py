@@ -156,13 +156,11 @@ def paged_decode_selected_reference(q: torch.Tensor, st: dict[str, torch.Tensor]
 SCORE_TILE = 2048
 # The same for 8-bit summaries (kv/summaries.py: int8 codes, half the bytes a value). H100, 256K,
 # hybrid-mid's launch with PDL off (tools/profile_retrieval.py): 34.2 us at 2048 against ~36.7 for
-# bf16 at 2048: the launch is no longer bound by its loads. tools/sweep_quest.py times the tiles.
+# bf16 at 2048: the launch is no longer bound by its loads. With the group's q+ / q- summed first,
+# H200, tools/sweep_quest.py, 256K, bound + midrange: 1024 30.0 us, 2048 22.1, 4096 21.6, 8192 29.1
+# (bf16 summaries: 2048 25.1). The sums as int8 tensor-core products of the codes (q in three int8
+# levels) took 24.2 at best (8192; 66.7 at 2048) and were removed.
 SCORE_TILE_CODES = 2048
-# 8-bit summaries scored by int8 tensor-core products (`_dot_sums`) instead of converting each code
-# to fp32 for two FMAs: the codes [tile, D] times a [D, 16] int8 matrix of the group's q+ / q- at
-# three int8 levels (q ~ s (l1 + l2 / 128 + l3 / 128^2): within 2.4e-7 of the largest |q|, near
-# fp32's own rounding). Off until tools/sweep_quest.py times it on a GPU.
-SCORE_DOT = False
 # topk_columns: columns a chunk program sorts (at least; long rows take longer chunks so that at
 # most TOPK_MAX_CHUNKS chunks' picks reach the merge program), the warps of a
 # chunk program, and a chunk holds at least TOPK_CHUNK_PICKS times the (power-of-two) picks. H100,
@@ -195,40 +193,6 @@ if HAVE_TRITON:
         return ((e + 127) << 23).to(tl.float32, bitcast=True)
 
     @triton.jit
-    def _levels(x, sc):
-        """x / sc (|x| <= 127 sc) as three int8-valued fp32 levels: x / sc ~ l1 + l2 / 128 + l3 / 128^2."""
-        y = x / sc
-        l1 = tl.floor(y + 0.5)
-        y = (y - l1) * 128.0
-        l2 = tl.floor(y + 0.5)
-        y = (y - l2) * 128.0
-        return l1, l2, tl.floor(y + 0.5)
-
-    @triton.jit
-    def _dot_sums(kmin, kmax, qp, qn):
-        """(sum_d qp_d kmax_d + qn_d kmin_d, sum_d qn_d kmax_d + qp_d kmin_d) [BLOCK_C] fp32 for int8
-        code tiles kmin / kmax [BLOCK_C, D] and the group's q+ / q- [D], as two int8 tensor-core
-        products against a [D, 16] matrix of the q's three levels (columns 0, 2, 4: the first sum's,
-        1, 3, 5: the second's); integer-exact products, the q quantized within 2.4e-7 of its max."""
-        amax = tl.maximum(tl.max(qp, axis=0), -tl.min(qn, axis=0))
-        sc = tl.where(amax > 0, amax / 127.0, 1.0)
-        p1, p2, p3 = _levels(qp, sc)
-        n1, n2, n3 = _levels(qn, sc)
-        col = tl.arange(0, 16)[None, :]
-        p1, p2, p3, n1, n2, n3 = p1[:, None], p2[:, None], p3[:, None], n1[:, None], n2[:, None], n3[:, None]
-        zero = tl.zeros_like(p1)
-        bmax = tl.where(col == 0, p1, tl.where(col == 1, n1, tl.where(col == 2, p2, tl.where(
-            col == 3, n2, tl.where(col == 4, p3, tl.where(col == 5, n3, zero))))))
-        bmin = tl.where(col == 0, n1, tl.where(col == 1, p1, tl.where(col == 2, n2, tl.where(
-            col == 3, p2, tl.where(col == 4, n3, tl.where(col == 5, p3, zero))))))
-        acc = tl.dot(kmax, bmax.to(tl.int8), out_dtype=tl.int32)
-        acc = tl.dot(kmin, bmin.to(tl.int8), acc=acc, out_dtype=tl.int32).to(tl.float32)
-        w = tl.where(col < 2, 1.0, tl.where(col < 4, 1.0 / 128.0, tl.where(col < 6, 1.0 / 16384.0, 0.0))) * sc
-        first = tl.sum(tl.where(col % 2 == 0, acc * w, 0.0), axis=1)
-        second = tl.sum(tl.where(col % 2 == 1, acc * w, 0.0), axis=1)
-        return first, second
-
-    @triton.jit
     def _exponent(amax):
         """kv/summaries.py exponents: the least e >= E_MIN with amax <= 127 * 2^e (fp32 amax >= 0)."""
         x = ((amax.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 126  # amax in [2^(x-1), 2^x); -126 below normal
@@ -250,7 +214,7 @@ if HAVE_TRITON:
                       out_ptr, mid_ptr, kexp_ptr, hexp_ptr, Hkv, G, C, D: tl.constexpr, BLOCK_C: tl.constexpr,
                       REDUCE_MAX: tl.constexpr, HAS_HOST: tl.constexpr, HAS_LIMIT: tl.constexpr,
                       CENTROID: tl.constexpr, FILL: tl.constexpr, MID: tl.constexpr = False,
-                      CODES: tl.constexpr = False, DOT: tl.constexpr = False, PDL: tl.constexpr = False):
+                      CODES: tl.constexpr = False, PDL: tl.constexpr = False):
         """One (row r, kv head h, BLOCK_C candidates): bound of each of the G query heads of h,
         summed (quest) or maxed (quest-max) over them; pages with no rows score +inf. HAS_LIMIT:
         columns at or past lim[r] are neither read nor written. CENTROID: kmin / hmin hold the
@@ -259,8 +223,7 @@ if HAVE_TRITON:
         past the limit (the scores top-k reads as they are). MID (with the bound): also the
         group's summed q . (kmin + kmax) / 2 into mid_ptr, from the same loads. CODES: kmin / kmax
         (and hmin / hmax) are 8-bit codes of 2^e units, e per (page, kv head) at kexp_ptr / hexp_ptr
-        (kv/summaries.py): each page's sums over codes, times its 2^e. DOT (CODES, the summed
-        bound): those sums as int8 tensor-core products (`_dot_sums`). PDL: kernels/pdl.py."""
+        (kv/summaries.py): each page's sums over codes, times its 2^e. PDL: kernels/pdl.py."""
         wait_before_reads(PDL)  # the step's summaries, q and tables: after the kernel before
         r = tl.program_id(0)
         h = tl.program_id(1)
@@ -298,10 +261,9 @@ if HAVE_TRITON:
             cnt = tl.where(hm, tl.load(hcnt_ptr + hid, mask=hm, other=0), cnt)
             if CODES:
                 ex = tl.where(hm, tl.load(hexp_ptr + hid * Hkv + h, mask=hm, other=0).to(tl.int32), ex)
-        if not DOT:
-            kmin = kmin.to(tl.float32)
-            if not CENTROID:
-                kmax = kmax.to(tl.float32)
+        kmin = kmin.to(tl.float32)  # after the tiers' select: one conversion a value
+        if not CENTROID:
+            kmax = kmax.to(tl.float32)
         q_row = q_ptr + (r * Hkv + h).to(tl.int64) * G * D
         if CENTROID:  # (sum_g q_g) . (ksum / count)
             qs = tl.zeros([D], tl.float32)
@@ -327,21 +289,15 @@ if HAVE_TRITON:
                 qv = tl.load(q_row + g * D + d).to(tl.float32)  # [D]
                 qp += tl.maximum(qv, 0.0)
                 qn += tl.minimum(qv, 0.0)
-            if DOT:  # the bound and sum_d qn_d max_d + qp_d min_d: 2 x midrange = their sum
-                acc, cross = _dot_sums(kmin, kmax, qp, qn)
-            else:
-                acc = tl.sum(qp[None, :] * kmax + qn[None, :] * kmin, axis=1)
-                qs = (qp + qn)[None, :]
+            acc = tl.sum(qp[None, :] * kmax + qn[None, :] * kmin, axis=1)
+            qs = (qp + qn)[None, :]
         if not CENTROID:
             if CODES:  # the sums over codes, in 2^e units (2^e > 0: the max commutes with it)
                 acc = acc * _pow2(ex)
             if MID:
-                if DOT:
-                    mid = (acc + cross * _pow2(ex)) * 0.5
-                else:
-                    mid = tl.sum((kmin + kmax) * qs, axis=1) * 0.5
-                    if CODES:
-                        mid = mid * _pow2(ex)
+                mid = tl.sum((kmin + kmax) * qs, axis=1) * 0.5
+                if CODES:
+                    mid = mid * _pow2(ex)
                 _store_scores(mdst, mid, cnt, cand_ptr, r, c, cm, C, FILL)
         _store_scores(dst, acc, cnt, cand_ptr, r, c, cm, C, FILL)
 
@@ -679,8 +635,8 @@ def _launch_scores(qg: torch.Tensor, dev: tuple, cand_ids: torch.Tensor, host: t
         qg.contiguous(), cand_ids.contiguous(), dev[0], dev[1], dev[2], hmin, hmax, hcnt, lim, cand, out,
         mid if mid is not None else out, kexp, hexp, hkv, g, c, D=d, BLOCK_C=block_c,
         REDUCE_MAX=reduce_max, HAS_HOST=host is not None, HAS_LIMIT=limit is not None, CENTROID=centroid,
-        FILL=cand_idx is not None, MID=midrange, CODES=codes, DOT=SCORE_DOT and codes and not reduce_max and block_c >= 16,
-        num_warps=4, **pdl.launch_args(qg.device))
+        FILL=cand_idx is not None, MID=midrange, CODES=codes, num_warps=4,
+        **pdl.launch_args(qg.device))
     return out, mid
 
 

@@ -82,13 +82,6 @@ def main() -> None:
             check_quest_scores(ra, hkv, g, d, with_host, seed=600 + i)
         except AssertionError as e:
             failures.append(f"quest_scores Hkv={hkv} G={g} D={d} host={with_host}: {e}")
-    ra.SCORE_DOT = not ra.SCORE_DOT  # 8-bit summaries scored the other way (tensor-core products or FMAs)
-    for i, (hkv, g, d, with_host) in enumerate(SCORE_CASES):
-        try:
-            check_quest_scores(ra, hkv, g, d, with_host, seed=650 + i)
-        except AssertionError as e:
-            failures.append(f"quest_scores, SCORE_DOT {ra.SCORE_DOT}, Hkv={hkv} G={g} D={d} host={with_host}: {e}")
-    ra.SCORE_DOT = not ra.SCORE_DOT
     base = ra.TOPK_CHUNK, ra.TOPK_CHUNK_PICKS, ra.TOPK_MERGE_GROUP
     # the defaults, then chunks of 16 columns: many chunks, with few live ones sorted alone or not
     for setting in (base, (16, 1, 2), (16, 1, 0)):
