@@ -1,8 +1,7 @@
 """GPU time of a Qwen3-8B-shaped decode chain without attention (36 layers of RMSNorm, qkv, o_proj
 + residual, RMSNorm, gate_up, SiLU, down + residual; random 4-bit and 8-bit weights, group 32),
 captured in one CUDA graph, with programmatic dependent launch (kernels/pdl.py) off, on for every
-kernel, and on for every kernel but the GEMV; each of the first two also with the GEMV's split-K
-sums done by its last program (GemvConfig.fused_reduce); bit-equality of the outputs with the first.
+kernel, and on for every kernel but the GEMV; bit-equality of the outputs with the first.
 Each variant is timed twice (gpu_timing.replay_us: the mean of 20 replays), the better printed.
 
     PYTHONPATH=. python3 tools/pdl_chain.py
@@ -20,8 +19,8 @@ from kvtier.layers.qweight import quantize_rtn
 
 LAYERS = 36
 LAYER_SHAPES = {name: SHAPES[name] for name in ("qkv", "o_proj", "gate_up", "down")}
-# the chain's variants: PDL for every kernel, none, or all but the GEMV; with the fused split-K sums
-VARIANTS = ("off", "all", "no-gemv", "off-fused-reduce", "all-fused-reduce")
+# the chain's variants: PDL for every kernel, none, or all but the GEMV
+VARIANTS = ("off", "all", "no-gemv")
 
 
 def build(bits):
@@ -42,8 +41,7 @@ def chain(ws, norm, x):
 def timed(ws, norm, x, variant):
     """(us a replay of the chain in one CUDA graph, its output) with `variant`'s launches."""
     pdl.ENABLED = not variant.startswith("off")
-    wq.GEMV_CONFIG = replace(wq.GEMV_CONFIG, pdl=variant.startswith("all"),
-                             fused_reduce=variant.endswith("fused-reduce"))
+    wq.GEMV_CONFIG = replace(wq.GEMV_CONFIG, pdl=variant.startswith("all"))
     return replay_us(lambda: chain(ws, norm, x), calls=1, reps=20), chain(ws, norm, x)
 
 

@@ -218,7 +218,7 @@ def gemv_variants(quick: bool) -> dict[str, wq.GemvConfig]:
     if quick:
         return out
     for ch in (dict(block_n=16), dict(block_n=64), dict(chunks=1), dict(chunks=8), dict(prefetch=False),
-               dict(num_warps=8), dict(vector_x=False), dict(vector_x=False, chunks=1), dict(fused_reduce=True)):
+               dict(num_warps=8), dict(vector_x=False), dict(vector_x=False, chunks=1)):
         cfg = replace(base, **ch)
         out[f"gemv {_diff(cfg, base)}"] = cfg
     return out

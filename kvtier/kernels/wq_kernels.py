@@ -238,14 +238,10 @@ def _gemv_kernel(x_ptr, q_ptr, s_ptr, mn_ptr, b_ptr, r_ptr, y_ptr, p_ptr, M, N, 
                  BITS: tl.constexpr, GROUP: tl.constexpr, HAS_MINS: tl.constexpr, HAS_BIAS: tl.constexpr,
                  HAS_RES: tl.constexpr, BLOCK_N: tl.constexpr, ROWS: tl.constexpr, LANES: tl.constexpr,
                  CPT: tl.constexpr, PARTIAL: tl.constexpr, PREFETCH: tl.constexpr, ASM: tl.constexpr,
-                 DOT_PREC: tl.constexpr, VEC_X: tl.constexpr = False, PDL: tl.constexpr = False,
-                 sem_ptr=None, FUSED_REDUCE: tl.constexpr = False):
+                 DOT_PREC: tl.constexpr, VEC_X: tl.constexpr = False, PDL: tl.constexpr = False):
     """Program (x row, row block, K slice): module docstring. q_ptr: the codes as int32 words.
     PDL (launched with programmatic dependent launch): the first rows' codes, scales and mins are
-    loaded before waiting for the kernel before (the weights are no output of it), then x.
-    FUSED_REDUCE (with PARTIAL): the K slices of a row block count themselves in on sem_ptr[m, row
-    block] (zero before the launch; left zero after it) and the last to finish sums every slice's
-    partials in slice order and writes y, as the reduce kernel would (`_reduce_rows`)."""
+    loaded before waiting for the kernel before (the weights are no output of it), then x."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -295,41 +291,14 @@ def _gemv_kernel(x_ptr, q_ptr, s_ptr, mn_ptr, b_ptr, r_ptr, y_ptr, p_ptr, M, N, 
             tl.store(p_ptr + (pid_k * M + pid_m).to(tl.int64) * N + n, yr, mask=n < N)
         else:
             _epilogue(yr, n, pid_m, n < N, b_ptr, r_ptr, y_ptr, N, stride_rm, HAS_BIAS, HAS_RES)
-    if PARTIAL and FUSED_REDUCE:
-        _reduce_rows(p_ptr, b_ptr, r_ptr, y_ptr, sem_ptr, pid_m, pid_n, row_lo, M, N, stride_rm, HAS_BIAS, HAS_RES,
-                     BLOCK_N)
-
-
-@triton.jit
-def _reduce_rows(p_ptr, b_ptr, r_ptr, y_ptr, sem_ptr, pid_m, pid_n, row_lo, M, N, stride_rm,
-                 HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, BLOCK_N: tl.constexpr):
-    """A K slice's program after storing its partials (`_gemv_kernel` FUSED_REDUCE). Arrive: every
-    thread's stores come before one thread's release add on the row block's count (the CTA barrier,
-    then acq_rel at GPU scope: CUTLASS's split-K semaphore). The slice that brings the count to
-    the number of slices reads all of them (L2, not L1: other SMs wrote them) in slice order."""
-    splits = tl.num_programs(2)
-    tl.debug_barrier()
-    sem = sem_ptr + pid_m * tl.num_programs(1) + pid_n
-    arrived = tl.atomic_add(sem, 1, sem="acq_rel", scope="gpu")
-    if arrived == splits - 1:
-        tl.debug_barrier()
-        tl.store(sem, 0)  # zero again for the next launch (stream order puts it after this one)
-        reduce_splits(p_ptr, b_ptr, r_ptr, y_ptr, pid_m, row_lo + tl.arange(0, BLOCK_N), M, N, splits, stride_rm,
-                      HAS_BIAS, HAS_RES, BLOCK_N, True)
-
-
 @triton.jit
 def reduce_splits(p_ptr, b_ptr, r_ptr, y_ptr, m, n, M, N, splits, stride_rm, HAS_BIAS: tl.constexpr,
-                  HAS_RES: tl.constexpr, BLOCK: tl.constexpr, L2_ONLY: tl.constexpr):
+                  HAS_RES: tl.constexpr, BLOCK: tl.constexpr):
     """y[m, n] = epilogue(sum over splits s, in order, of partial[s, m, n]) for columns n [BLOCK]
-    (wq_matmul._reduce_kernel, `_reduce_rows`). L2_ONLY: the partials are read past L1 (other SMs
-    wrote them within this launch)."""
+    (wq_matmul._reduce_kernel)."""
     mask = n < N
     acc = tl.zeros([BLOCK], tl.float32)
     for s in range(0, splits):
         part = p_ptr + (s * M + m).to(tl.int64) * N + n
-        if L2_ONLY:
-            acc += tl.load(part, mask=mask, other=0.0, cache_modifier=".cg")
-        else:
-            acc += tl.load(part, mask=mask, other=0.0)
+        acc += tl.load(part, mask=mask, other=0.0)
     _epilogue(acc, n, m, mask, b_ptr, r_ptr, y_ptr, N, stride_rm, HAS_BIAS, HAS_RES)

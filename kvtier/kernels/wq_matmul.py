@@ -120,9 +120,6 @@ DEQUANT_MIN_M = 1024
 # Dense scratch of wq_dequant_matmul at most this many elements (256 MiB of bf16): bigger
 # weights (lm_head, 151936 x 4096) are dequantized and multiplied in row chunks.
 DEQUANT_MAX_ELEMS = 1 << 27
-# Row-block counts of the fused split-K reduction (GemvConfig.fused_reduce): M x row blocks of one
-# launch (4 x 9,496 for a 151,936-row lm_head in 16-row programs) fit in 64K of them (256 KiB).
-SPLIT_SEMAPHORES = 1 << 16
 # Codes tile of the dequantize kernel: [64 rows, 256 columns], 8 warps.
 DEQUANT_BLOCK = (64, 256, 8)
 # Split-K: aim at this many programs per SM (several resident programs hide load latency),
@@ -212,12 +209,6 @@ class GemvConfig:
     # 3,970 with every kernel but the GEMV launched so. None (the default): pdl.ENABLED for 4-bit
     # weights, off for 8-bit ones.
     pdl: bool | None = None
-    # K slices (split > 1) summed by the last of a row block's programs to finish (a count per row
-    # block in `split_semaphores`, kept at zero between launches) instead of by `_reduce_kernel`: one
-    # launch fewer per split GEMV (8-bit weights split every K = 4096 layer in two, 4-bit the 12,288
-    # of down in three). The same sums in the same order: bit-equal to the reduce kernel. Untimed:
-    # off until tools/sweep_wq.py ("fused_reduce") and tools/pdl_chain.py time it.
-    fused_reduce: bool = False
 
 
 # Defaults by regime (to be replaced by the sweep's winners, tools/sweep_wq.py).
@@ -513,7 +504,7 @@ if HAVE_TRITON:
         """Program (m, n block): y[m, n] = epilogue(sum over splits s in order of partial[s, m, n])."""
         wait_before_reads(PDL)
         reduce_splits(p_ptr, b_ptr, r_ptr, y_ptr, tl.program_id(0), tl.program_id(1) * BLOCK + tl.arange(0, BLOCK),
-                      M, N, splits, stride_rm, HAS_BIAS, HAS_RES, BLOCK, False)
+                      M, N, splits, stride_rm, HAS_BIAS, HAS_RES, BLOCK)
 
     @triton.jit(do_not_specialize=["M"])
     def _gemm_kernel(x_ptr, q_ptr, s_ptr, mn_ptr, b_ptr, r_ptr, y_ptr, M, N, K, stride_xm, stride_rm,
@@ -683,21 +674,6 @@ def gemv_slice(k: int, bits: int, cfg: GemvConfig) -> tuple[int, int]:
     return lanes, cpt
 
 
-_SEMAPHORES: dict[torch.device, torch.Tensor] = {}
-
-
-def split_semaphores(device: torch.device, count: int) -> torch.Tensor | None:
-    """The per-device int32 counts of `GemvConfig.fused_reduce` (SPLIT_SEMAPHORES of them, zero
-    between launches; kernels on one stream take turns with them), or None where `count` do not
-    fit or they would first be made inside a CUDA-graph capture (the reduce kernel runs instead)."""
-    sem = _SEMAPHORES.get(device)
-    if sem is None:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            return None
-        sem = _SEMAPHORES[device] = torch.zeros(SPLIT_SEMAPHORES, dtype=torch.int32, device=device)
-    return sem if count <= sem.numel() else None
-
-
 def choose_gemv_block_n(m: int, n: int, split: int, rows: int, sms: int) -> int:
     """Rows of W per gemv program: the largest power of two <= GEMV_MAX_BLOCK_N (and >= one step of
     `rows`) that still gives GEMV_PROGRAMS_PER_SM programs per SM. Shapes only (graph-safe)."""
@@ -726,14 +702,13 @@ def wq_gemv(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None = None,
     x, mins, b, r, stride_rm = _operands(x, w, y, bias, residual)
     part = torch.empty((split, mrows, n), dtype=torch.float32, device=x.device) if split > 1 else y
     grid = (mrows, triton.cdiv(n, block_n), split)
-    sem = split_semaphores(x.device, mrows * grid[1]) if split > 1 and cfg.fused_reduce else None
     launch = pdl.launch_args(x.device, cfg.pdl if cfg.pdl is not None else pdl.ENABLED and w.bits == 4)
     _gemv_kernel[grid](x, w.qweight.view(torch.int32), w.scales, mins, b, r, y, part, mrows, n, k, x.stride(0),
                        stride_rm, BLOCK_N=block_n, ROWS=rows, LANES=lanes, CPT=cpt, PARTIAL=split > 1,
                        PREFETCH=cfg.prefetch, ASM=not INTERPRETED,
                        VEC_X=cfg.vector_x if cfg.vector_x is not None else w.bits == 4, num_warps=cfg.num_warps,
-                       **const, **launch, sem_ptr=sem if sem is not None else part, FUSED_REDUCE=sem is not None)
-    if split > 1 and sem is None:
+                       **const, **launch)
+    if split > 1:
         _reduce_kernel[(mrows, triton.cdiv(n, REDUCE_BLOCK))](
             part, b, r, y, mrows, n, split, stride_rm, HAS_BIAS=bias is not None, HAS_RES=residual is not None,
             BLOCK=REDUCE_BLOCK, num_warps=4, **launch)

@@ -9,7 +9,6 @@ replay == eager.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import sys
 from collections.abc import Callable
@@ -68,24 +67,6 @@ def test_gate_up_and_lm_head(m: int) -> None:
         w = weight(n, k, 4, 32, True)
         x, _, _ = _inputs(m, n, k, torch.bfloat16, False, False, "big")
         cases.assert_close(wq.wq_linear(x, w), wq.wq_linear_reference(x, w), f"wq_linear N={n} M={m}")
-
-
-@pytest.mark.parametrize("m", [1, 4])
-def test_fused_split_reduce_equals_reduce_kernel(m: int) -> None:
-    """GemvConfig.fused_reduce gives the reduce kernel's bits (same sums, same order), eagerly and in
-    CUDA-graph replays (the row-block counts are back at zero after every launch)."""
-    fused = dataclasses.replace(wq.GEMV_CONFIG, fused_reduce=True)
-    for (n, k), (bits, group, mins) in ((SHAPES["down"], LAYOUTS["q4_1"]), (SHAPES["qkv"], LAYOUTS["q8_0"])):
-        w = weight(n, k, bits, group, mins)
-        x, _, r = _inputs(m, n, k, torch.bfloat16, False, True, "fused-reduce")
-        want = wq.wq_gemv(x, w, None, r, wq.GEMV_CONFIG)
-        assert torch.equal(wq.wq_gemv(x, w, None, r, fused), want)
-        graph, y = _captured(lambda: wq.wq_gemv(x, w, None, r, fused))  # noqa: B023 (called here)
-        for _ in range(3):
-            graph.replay()
-            torch.cuda.synchronize()
-            assert torch.equal(y, want)
-        assert not wq.split_semaphores(x.device, 1).any()
 
 
 PATHS = cases.paths(wq, interpreted=False)

@@ -144,19 +144,6 @@ def test_gemv_kernel_compiles(bits: int, vector_x: bool) -> None:
     _compile(wk._gemv_kernel, GEMV_PTRS, _gemv_const(bits, VEC_X=vector_x), stages=1)
 
 
-@pytest.mark.parametrize("bits", [4, 8])
-def test_gemv_fused_split_reduce_compiles(bits: int) -> None:
-    """GemvConfig.fused_reduce's arrival (an acq_rel atomic add at GPU scope) and its reads of the
-    other slices' partials through L2 are in the sm_90 build."""
-    pytest.importorskip("triton")
-    import kvtier.kernels.wq_kernels as wk
-    const = _gemv_const(bits, PARTIAL=True, VEC_X=bits == 4, PDL=False, FUSED_REDUCE=True)
-    ptx = _compile(wk._gemv_kernel, GEMV_PTRS, const, stages=1).asm["ptx"]
-    assert "atom.global.gpu.acq_rel.add" in ptx or "atom.acq_rel.gpu.global.add" in ptx, \
-        [line for line in ptx.splitlines() if "atom" in line]
-    assert "ld.global.cg" in ptx
-
-
 def _loads_before_wait(kernel: object) -> int:
     """Global loads in the PTX before griddepcontrol.wait, which must come after launch_dependents."""
     lines = kernel.asm["ptx"].splitlines()  # type: ignore[attr-defined]

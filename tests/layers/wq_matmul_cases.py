@@ -112,9 +112,6 @@ def paths(wq: ModuleType, interpreted: bool) -> dict[str, Callable]:
         "gemv_scalar_x": gv(replace(gemv, vector_x=False)),
         "gemv_vector_x": gv(replace(gemv, vector_x=True)),
         "gemv_split_scalar_x": gv(replace(gemv_split, vector_x=False)),
-        # the K slices summed by the last program of each row block instead of the reduce kernel
-        "gemv_split_fused_reduce": gv(replace(gemv_split, fused_reduce=True)),
-        "gemv_split_fused_reduce_scalar_x": gv(replace(gemv_split, fused_reduce=True, vector_x=False)),
         "fma": sk(base),
         "fma_magic": sk(s(**tile, cvt="magic")),
         "fma_dequant_first": sk(s(**tile, group_scale=False)),
