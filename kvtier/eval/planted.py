@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from kvtier.config import RetrievalConfig
+from kvtier.eval import summary_bits
 from kvtier.kv.formats import make_format
 from kvtier.kv.pool import PagePool
 from kvtier.kv.summaries import PageSummaries
@@ -54,20 +55,20 @@ class PlantedRow:
 @torch.inference_mode()
 def run_planted(length: int, margins: list[float], trials: int, budget: int, selectors: list[str],
                 kv_heads: int = 8, gqa: int = 4, head_dim: int = 128, page_size: int = 16, sink: int = 16,
-                window: int = 256, kv_dtype: str = "bf16", device: str = "cpu", seed: int = 0,
-                summary_bits: tuple[int, ...] = (16,)) -> list[PlantedRow]:
-    """One pool of `length` random tokens; per margin, `trials` planted rows through each selector,
-    once per summary width in `summary_bits` (kv/summaries.py; 8: the method named "<selector>/8")."""
+                window: int = 256, kv_dtype: str = "bf16", device: str = "cpu", seed: int = 0) -> list[PlantedRow]:
+    """One pool of `length` random tokens; per margin, `trials` planted rows through each selector
+    method ("<selector>/8": over 8-bit page summaries, kv/summaries.py; as `kvtier eval recall`)."""
     dev = torch.device(device)
     compute = torch.float32 if kv_dtype == "fp32" else (torch.bfloat16 if dev.type == "cpu" else torch.float16)
     n_pages = length // page_size + 1  # + the decode row's page
     ctx = (n_pages - 1) * page_size
     pool = PagePool(make_format(kv_dtype), 1, n_pages, kv_heads, page_size, head_dim, dev, compute_dtype=compute)
     scale = head_dim ** -0.5
-    summaries = [PageSummaries.for_pool(pool, bits=b) for b in summary_bits]
-    methods = {s + ("/8" if summ.codes else ""): RetrievalAttention(
-        pool, scale, RetrievalConfig(budget=budget, sink=sink, window=window, selector=s),
-        summaries=summ, record=True, kernel=False) for summ in summaries for s in selectors}
+    by_bits = {b: PageSummaries.for_pool(pool, bits=b) for b in sorted({summary_bits(s) for s in selectors})}
+    summaries = list(by_bits.values())
+    methods = {s: RetrievalAttention(
+        pool, scale, RetrievalConfig(budget=budget, sink=sink, window=window, selector=s.split("/")[0]),
+        summaries=by_bits[summary_bits(s)], record=True, kernel=False) for s in selectors}
     lo_page, hi_page = -(-sink // page_size), (ctx - window) // page_size
     if hi_page - lo_page < 1:
         raise ValueError(f"length {length} leaves no page between the sink and the window")
@@ -164,8 +165,7 @@ def main(args: argparse.Namespace) -> int:
     rows: list[PlantedRow] = []
     for length in (int(x) for x in args.lengths.split(",")):
         rows += run_planted(length, margins, args.trials, args.budget, selectors, args.kv_heads, args.gqa,
-                            args.head_dim, args.page_size, args.sink, args.window, args.kv_dtype, dev, args.seed,
-                            tuple(int(b) for b in args.summary_bits.split(",")))
+                            args.head_dim, args.page_size, args.sink, args.window, args.kv_dtype, dev, args.seed)
     table = [["length", "margin (nats)", "selector", "needles found", "dense mass covered", "output error"]]
     table += [[f"{r.length:,}", f"{r.margin:g}", r.method, f"{100 * r.found:.1f}%", f"{r.mass:.3f}",
                f"{r.rel_err:.3f}"] for r in rows]

@@ -26,11 +26,12 @@ from dataclasses import dataclass
 
 import torch
 
+from kvtier.config import DEFAULT_SINK, DEFAULT_WINDOW, SELECTORS, RetrievalConfig
+from kvtier.eval import summary_bits
 from kvtier.kv.formats import PlainFormat
 from kvtier.kv.pool import PagePool
 from kvtier.kv.summaries import PageSummaries
 from kvtier.layers.attention import AttentionMetadata, DensePagedAttention
-from kvtier.config import DEFAULT_SINK, DEFAULT_WINDOW, SELECTORS, RetrievalConfig
 from kvtier.layers.retrieval import RetrievalAttention, refresh_from_pool
 from kvtier.models.decoder import compute_dtype
 
@@ -91,12 +92,12 @@ class _Runner:
         self.table = list(range(pages))
         # a selector named "<selector>/8" scores 8-bit summaries (kv/summaries.py), the others share 16-bit ones
         self.summaries = {bits: PageSummaries.for_pool(self.pool, bits=bits)
-                          for bits in sorted({_summary_bits(s) for s in selectors})}
+                          for bits in sorted({summary_bits(s) for s in selectors})}
         scale = head_dim ** -0.5
         self.backends: dict[str, object] = {DENSE: DensePagedAttention(self.pool, scale)}
         for s in selectors:
             cfg = RetrievalConfig(budget=budget, sink=sink, window=window, selector=s.split("/")[0])
-            self.backends[s] = RetrievalAttention(self.pool, scale, cfg, summaries=self.summaries[_summary_bits(s)],
+            self.backends[s] = RetrievalAttention(self.pool, scale, cfg, summaries=self.summaries[summary_bits(s)],
                                                   record=record)
         # prefill: dense attention in every method; a retrieval backend also fills its summaries
         # (the others are recomputed from the pool's keys after it: `_sync_summaries`)
@@ -146,11 +147,6 @@ class _Runner:
         m = float(torch.cat(be.mass_log).mean())
         be.mass_log.clear()
         return m
-
-
-def _summary_bits(method: str) -> int:
-    """A selector method's summary width: "<selector>/8" -> 8, else 16."""
-    return 8 if method.endswith("/8") else 16
 
 
 def _filler(tok, haystack: str, n: int, rng: random.Random) -> list[int]:

@@ -60,7 +60,8 @@ def add_planted_parser(subparsers: argparse._SubParsersAction) -> argparse.Argum
     p.add_argument("--budget", type=int, default=2048)
     p.add_argument("--sink", type=int, default=16)
     p.add_argument("--window", type=int, default=256)
-    p.add_argument("--selectors", default=",".join(SELECTORS))
+    p.add_argument("--selectors", default=",".join(SELECTORS),
+                   help="comma-separated; '<selector>/8' scores 8-bit page summaries (--kvmem-summary-bits 8)")
     p.add_argument("--kv-heads", type=int, default=8)
     p.add_argument("--gqa", type=int, default=4, help="query heads per kv head")
     p.add_argument("--head-dim", type=int, default=128)
@@ -68,8 +69,6 @@ def add_planted_parser(subparsers: argparse._SubParsersAction) -> argparse.Argum
     p.add_argument("--kv-dtype", default="bf16", choices=("fp32", "bf16", "fp16", "fp8", "int8", "k8v4", "int4"))
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--summary-bits", default="16",
-                   help="page summaries' min / max bits, comma-separated (16, 8 or both: '/8' rows)")
     p.add_argument("--markdown", type=Path, default=None, help="also write the table here")
     p.set_defaults(fn=_run_planted)
     return p

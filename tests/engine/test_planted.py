@@ -39,3 +39,17 @@ def test_centroid_selectors_find_needles_the_quest_bound_misses():
                                              selectors=["quest", "centroid", "hybrid"], kv_dtype="bf16", **shape)}
     assert rows["centroid"].found == rows["hybrid"].found == 1.0
     assert rows["quest"].found < 0.5
+
+
+def test_8bit_summary_methods_rank_like_16bit():
+    """A "<selector>/8" method scores 8-bit page summaries (outward-rounded codes, kv/summaries.py)
+    beside the 16-bit ones in one run: the same needles found, nearly the same mass covered."""
+    shape = {**SMALL, "head_dim": 64}
+    rows = {r.method: r for r in run_planted(2048, [3.0], trials=2, budget=512,
+                                             selectors=["hybrid-mid", "hybrid-mid/8", "quest", "quest/8"],
+                                             kv_dtype="bf16", **shape)}
+    assert set(rows) == {"hybrid-mid", "hybrid-mid/8", "quest", "quest/8"}
+    for s in ("hybrid-mid", "quest"):
+        assert rows[s + "/8"].found == rows[s].found, (rows[s], rows[s + "/8"])
+        assert rows[s + "/8"].mass == pytest.approx(rows[s].mass, abs=0.05)
+    assert rows["hybrid-mid/8"].found == 1.0
