@@ -33,12 +33,13 @@ from dataclasses import dataclass, field
 import torch
 
 from kvtier.config import EngineConfig, prefill_chunk_for
+from kvtier.device import to_device
 from kvtier.engine.request import (ContextOverflowError, KVCapacityError, Output, PinnedBudget, Progress, Request,
                                    Usage)
 from kvtier.engine.runner import ModelRunner
 from kvtier.engine.sampler import needs_history, sample
 from kvtier.engine.scheduler import Batch, Scheduler, SeqStatus, Sequence
-from kvtier.engine.step_plan import Feed, decode_step, to_device
+from kvtier.engine.step_plan import Feed, decode_step
 from kvtier.engine.stops import StopChecker
 from kvtier.kv.formats import make_format
 from kvtier.kv.stats import cache_stats

@@ -30,8 +30,8 @@ from typing import Protocol
 
 import torch
 
+from kvtier.device import to_device
 from kvtier.engine.request import SamplingParams
-from kvtier.engine.step_plan import to_device
 
 # A -inf logit gives probability exactly 0 after softmax; used for every filter.
 NEG_INF = float("-inf")

@@ -21,7 +21,6 @@ write only there and attend to nothing.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -30,15 +29,6 @@ import torch
 from kvtier.engine.scheduler import Batch
 from kvtier.layers.attention import AttentionMetadata
 
-
-def to_device(values: Sequence, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """Per-row values as a tensor on `device` without waiting for the device: a CUDA copy goes
-    from pinned memory, asynchronously (a plain torch.tensor(..., device=cuda) synchronizes the
-    stream, which would stall overlap scheduling's next step, engine/engine.py)."""
-    t = torch.tensor(values, dtype=dtype)
-    if device.type != "cuda":
-        return t.to(device)
-    return t.pin_memory().to(device, non_blocking=True)
 
 # Staging halves: step n's copies can be in flight while step n + 1 is being written.
 STAGING_BUFFERS = 2

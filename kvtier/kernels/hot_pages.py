@@ -40,6 +40,7 @@ import math
 
 import torch
 
+from kvtier.device import tensor_to
 from kvtier.kernels.paged_attention import HAVE_TRITON, AltPages, _pow2, alt_offsets
 
 # The pool tensors a page holds, in kernel argument order (formats without scales have k, v only).
@@ -146,7 +147,7 @@ class HotPages:
     def invalidate(self, host_pages: list[int] | torch.Tensor) -> None:
         """Host pages about to get new contents: no slot serves them any more (owners keep the stale
         name; the compare-and-swap at eviction ignores it)."""
-        idx = torch.as_tensor(host_pages, dtype=torch.long).to(self.map.device)
+        idx = tensor_to(torch.as_tensor(host_pages, dtype=torch.long), self.map.device)
         if idx.numel():
             self.map.index_fill_(2, idx, -1)
 

@@ -53,6 +53,8 @@ import math
 
 import torch
 
+from kvtier.device import tensor_to
+
 try:
     import triton
     import triton.language as tl
@@ -183,8 +185,8 @@ def copy_pages(src: torch.Tensor, dst: torch.Tensor, src_idx: torch.Tensor, dst_
                                 W=w, BLOCK=block, EVEN=w % block == 0, num_warps=num_warps)
         return
     dev = src.device if src.device.type == "cuda" else dst.device
-    s_idx = src_idx.to(dev, torch.int64, non_blocking=True).contiguous()
-    d_idx = dst_idx.to(dev, torch.int64, non_blocking=True).contiguous()
+    s_idx = tensor_to(src_idx.to(torch.int64), dev).contiguous()  # host ids: pinned, no wait for the GPU
+    d_idx = tensor_to(dst_idx.to(torch.int64), dev).contiguous()
     s_arg = src_w if src_w.device.type == "cuda" else _HostPointer(src_w)
     d_arg = dst_w if dst_w.device.type == "cuda" else _HostPointer(dst_w)
     with torch.cuda.device(dev):  # Triton launches on the current device's current stream

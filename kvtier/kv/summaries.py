@@ -58,6 +58,8 @@ from __future__ import annotations
 
 import torch
 
+from kvtier.device import tensor_to
+
 
 # Least exponent of 8-bit summaries (module docstring): pages whose keys are all below 127 * 2^E_MIN
 # in magnitude share it (their codes round outward to -1 / 0 / 1).
@@ -289,7 +291,7 @@ class PageSummaries:
         K/V were copied the same way between two pools of one geometry)."""
         if (src.num_layers, src.kv_heads, src.head_dim) != (self.num_layers, self.kv_heads, self.head_dim):
             raise ValueError("copy_rows between summaries of different geometry")
-        si, di = src_ids.to(src.device), dst_ids.to(self.device)
+        si, di = tensor_to(src_ids, src.device), tensor_to(dst_ids, self.device)
         if self.sums and not src.sums:
             raise ValueError("copy_rows: these summaries keep key sums, the source does not")
         if self.codes != src.codes:

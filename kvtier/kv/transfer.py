@@ -21,6 +21,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from kvtier.device import tensor_to
+
 if TYPE_CHECKING:
     from kvtier.kv.pool import PagePool
 
@@ -92,8 +94,7 @@ class PageTransfers:
         page-axis gather inside one contiguous layer measured ~4x faster).
         """
         src = self.pool
-        s_idx = src_idx.to(src.device, non_blocking=non_blocking)
-        d_idx = dst_idx.to(dst.device, non_blocking=non_blocking)
+        s_idx, d_idx = tensor_to(src_idx, src.device), tensor_to(dst_idx, dst.device)  # no wait for the GPU
         to_host = dst.device.type == "cpu" and src.device.type == "cuda"
         from_host = src.device.type == "cpu" and dst.device.type == "cuda"
         staged_host: list[tuple[torch.Tensor, int, torch.Tensor, torch.Tensor]] = []

@@ -170,3 +170,40 @@ def test_sampling_does_not_synchronize():
                [None, make_generator(5, CUDA)] * 2)  # unfiltered rows: the vocabulary-order draw
     finally:
         torch.cuda.set_sync_debug_mode("default")
+
+
+@pytest.mark.parametrize("bits", [8, 16])
+def test_pages_departing_to_the_host_tier_do_not_synchronize(bits: int):
+    """Between two decode steps a full pool copies pages down to the host tier and their page
+    summaries with them (runner.run_transfers -> PagePool.copy_to, RetrievalAttention.pages_departed):
+    host-side page ids reach the GPU through pinned memory, so nothing waits for the step before
+    (a pageable copy synchronized the stream, stalling overlap scheduling once a page)."""
+    from kvtier.config import RetrievalConfig
+    from kvtier.kv.formats import make_format
+    from kvtier.kv.pool import PagePool
+    from kvtier.layers.retrieval import RetrievalAttention
+
+    fmt = make_format("k8v4")
+    gpu = PagePool(fmt, 2, 16, 2, 16, 64, CUDA, compute_dtype=torch.bfloat16)
+    host = PagePool(fmt, 2, 32, 2, 16, 64, "cpu", compute_dtype=torch.bfloat16, pin=True)
+    be = RetrievalAttention(gpu, 0.125, RetrievalConfig(budget=96, sink=4, window=32, summary_bits=bits), host_store=host)
+    k = torch.randn(16 * 16, 2, 64, device=CUDA)
+    for layer in range(2):
+        if fmt.smooth_k:
+            gpu.calibrate(layer, k)
+        gpu.write(layer, torch.arange(16 * 16, device=CUDA), k.bfloat16(), k.bfloat16())
+        be.summaries.update(layer, torch.arange(16 * 16, device=CUDA), k)
+    gpu.copy_to(host, [3], [5])  # first calls: lazy init (streams, kernels) outside the check
+    be.pages_departed([3], [5])
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        gpu.copy_to(host, [1, 2], [7, 9])
+        be.pages_departed([1, 2], [7, 9])
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    hs = be.host_summaries
+    for name in ("kmin", "kmax", "count"):
+        got, want = getattr(hs, name)[:, [7, 9]], getattr(be.summaries, name)[:, [1, 2]]
+        assert torch.equal(got.cpu(), want.to(got.dtype).cpu()), name
