@@ -20,7 +20,6 @@ EXIT_BROKEN_PIPE = 141  # what a shell reports for a writer killed by SIGPIPE (1
 console = Console(stderr=True)
 
 
-
 def _summary_bits(value: str) -> int:
     """`--kvmem-summary-bits`: auto (0), 8 or 16."""
     if value == "auto":
@@ -28,6 +27,7 @@ def _summary_bits(value: str) -> int:
     if value not in ("8", "16"):
         raise argparse.ArgumentTypeError(f"expected auto, 8 or 16, got {value!r}")
     return int(value)
+
 
 def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", "-m", default=DEFAULT_MODEL, help="model name (kvtier models list) or path")

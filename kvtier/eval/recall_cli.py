@@ -8,6 +8,9 @@ from pathlib import Path
 
 from kvtier.config import DEFAULT_PAGE_SIZE, DEFAULT_SINK, DEFAULT_WINDOW, SELECTORS
 
+# both evals' --selectors: a method "<selector>/8" scores 8-bit page summaries (eval.summary_bits)
+SELECTORS_HELP = "comma-separated; '<selector>/8' scores 8-bit page summaries (--kvmem-summary-bits 8)"
+
 
 def _run(args: argparse.Namespace) -> int:
     from kvtier.eval import recall
@@ -26,8 +29,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--budget", type=int, default=512, help="kvmem budget in tokens per decode row")
     p.add_argument("--sink", type=int, default=DEFAULT_SINK)
     p.add_argument("--window", type=int, default=DEFAULT_WINDOW)
-    p.add_argument("--selectors", default=",".join(SELECTORS),
-                   help="comma-separated; '<selector>/8' scores 8-bit page summaries (--kvmem-summary-bits 8)")
+    p.add_argument("--selectors", default=",".join(SELECTORS), help=SELECTORS_HELP)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--page-size", type=int, default=DEFAULT_PAGE_SIZE)
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
@@ -60,8 +62,7 @@ def add_planted_parser(subparsers: argparse._SubParsersAction) -> argparse.Argum
     p.add_argument("--budget", type=int, default=2048)
     p.add_argument("--sink", type=int, default=16)
     p.add_argument("--window", type=int, default=256)
-    p.add_argument("--selectors", default=",".join(SELECTORS),
-                   help="comma-separated; '<selector>/8' scores 8-bit page summaries (--kvmem-summary-bits 8)")
+    p.add_argument("--selectors", default=",".join(SELECTORS), help=SELECTORS_HELP)
     p.add_argument("--kv-heads", type=int, default=8)
     p.add_argument("--gqa", type=int, default=4, help="query heads per kv head")
     p.add_argument("--head-dim", type=int, default=128)

@@ -635,8 +635,7 @@ def _launch_scores(qg: torch.Tensor, dev: tuple, cand_ids: torch.Tensor, host: t
         qg.contiguous(), cand_ids.contiguous(), dev[0], dev[1], dev[2], hmin, hmax, hcnt, lim, cand, out,
         mid if mid is not None else out, kexp, hexp, hkv, g, c, D=d, BLOCK_C=block_c,
         REDUCE_MAX=reduce_max, HAS_HOST=host is not None, HAS_LIMIT=limit is not None, CENTROID=centroid,
-        FILL=cand_idx is not None, MID=midrange, CODES=codes, num_warps=4,
-        **pdl.launch_args(qg.device))
+        FILL=cand_idx is not None, MID=midrange, CODES=codes, num_warps=4, **pdl.launch_args(qg.device))
     return out, mid
 
 

@@ -291,14 +291,3 @@ def _gemv_kernel(x_ptr, q_ptr, s_ptr, mn_ptr, b_ptr, r_ptr, y_ptr, p_ptr, M, N, 
             tl.store(p_ptr + (pid_k * M + pid_m).to(tl.int64) * N + n, yr, mask=n < N)
         else:
             _epilogue(yr, n, pid_m, n < N, b_ptr, r_ptr, y_ptr, N, stride_rm, HAS_BIAS, HAS_RES)
-@triton.jit
-def reduce_splits(p_ptr, b_ptr, r_ptr, y_ptr, m, n, M, N, splits, stride_rm, HAS_BIAS: tl.constexpr,
-                  HAS_RES: tl.constexpr, BLOCK: tl.constexpr):
-    """y[m, n] = epilogue(sum over splits s, in order, of partial[s, m, n]) for columns n [BLOCK]
-    (wq_matmul._reduce_kernel)."""
-    mask = n < N
-    acc = tl.zeros([BLOCK], tl.float32)
-    for s in range(0, splits):
-        part = p_ptr + (s * M + m).to(tl.int64) * N + n
-        acc += tl.load(part, mask=mask, other=0.0)
-    _epilogue(acc, n, m, mask, b_ptr, r_ptr, y_ptr, N, stride_rm, HAS_BIAS, HAS_RES)

@@ -84,7 +84,7 @@ try:
     import triton
     import triton.language as tl
     from kvtier.kernels.pdl import wait_before_reads
-    from kvtier.kernels.wq_kernels import _epilogue, _gemv_kernel, reduce_splits
+    from kvtier.kernels.wq_kernels import _epilogue, _gemv_kernel
     HAVE_TRITON = True
 except ImportError:  # CPU-only installs: the reference path only
     HAVE_TRITON = False
@@ -503,8 +503,13 @@ if HAVE_TRITON:
                        HAS_RES: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
         """Program (m, n block): y[m, n] = epilogue(sum over splits s in order of partial[s, m, n])."""
         wait_before_reads(PDL)
-        reduce_splits(p_ptr, b_ptr, r_ptr, y_ptr, tl.program_id(0), tl.program_id(1) * BLOCK + tl.arange(0, BLOCK),
-                      M, N, splits, stride_rm, HAS_BIAS, HAS_RES, BLOCK)
+        m = tl.program_id(0)
+        n = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        mask = n < N
+        acc = tl.zeros([BLOCK], tl.float32)
+        for s in range(0, splits):
+            acc += tl.load(p_ptr + (s * M + m).to(tl.int64) * N + n, mask=mask, other=0.0)
+        _epilogue(acc, n, m, mask, b_ptr, r_ptr, y_ptr, N, stride_rm, HAS_BIAS, HAS_RES)
 
     @triton.jit(do_not_specialize=["M"])
     def _gemm_kernel(x_ptr, q_ptr, s_ptr, mn_ptr, b_ptr, r_ptr, y_ptr, M, N, K, stride_xm, stride_rm,

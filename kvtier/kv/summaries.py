@@ -171,13 +171,9 @@ class PageSummaries:
     def bits(self) -> int:
         return 8 if self.codes else 16
 
-    def bounds(self, layer: int, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(kmin, kmax) of pages `ids` [...] of one layer as fp32 [..., Hkv, D] (8-bit codes
-        scaled by their 2^e: exact)."""
-        return self.values("kmin", layer, ids), self.values("kmax", layer, ids)
-
     def values(self, name: str, layer: int, ids: torch.Tensor) -> torch.Tensor:
-        """kmin or kmax (`name`) of pages `ids` [...] of one layer as fp32 [..., Hkv, D]."""
+        """kmin or kmax (`name`) of pages `ids` [...] of one layer as fp32 [..., Hkv, D] (8-bit codes
+        scaled by their 2^e: exact)."""
         v = getattr(self, name)[layer][ids].float()
         if not self.codes:
             return v
@@ -291,7 +287,7 @@ class PageSummaries:
         K/V were copied the same way between two pools of one geometry)."""
         if (src.num_layers, src.kv_heads, src.head_dim) != (self.num_layers, self.kv_heads, self.head_dim):
             raise ValueError("copy_rows between summaries of different geometry")
-        si, di = tensor_to(src_ids, src.device), tensor_to(dst_ids, self.device)
+        si, di = tensor_to(src_ids, src.device), tensor_to(dst_ids, self.device)  # no wait: pages move between steps
         if self.sums and not src.sums:
             raise ValueError("copy_rows: these summaries keep key sums, the source does not")
         if self.codes != src.codes:

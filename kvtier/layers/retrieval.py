@@ -56,7 +56,6 @@ from dataclasses import dataclass, field
 import torch
 
 from kvtier.config import RetrievalConfig
-from kvtier.device import to_device
 from kvtier.kernels import cpu_ops
 from kvtier.kernels import retrieval_attention as ra
 from kvtier.kernels.fused import QKRope
@@ -190,9 +189,8 @@ class RetrievalAttention:
         those host pages is stale."""
         if self.host_summaries is None or not page_ids:
             return
-        dev = self.summaries.device  # the ids without waiting for the device (a page departs between steps)
-        self.host_summaries.copy_rows(self.summaries, to_device(page_ids, torch.long, dev),
-                                      to_device(to_host, torch.long, dev))
+        self.host_summaries.copy_rows(self.summaries, torch.tensor(page_ids, dtype=torch.long),
+                                      torch.tensor(to_host, dtype=torch.long))
         self.host_cache.drop(to_host)  # type: ignore[union-attr]
         if self.hot is not None:
             self.hot.invalidate(to_host)

@@ -230,16 +230,14 @@ def test_quest_scores_8bit_real_sizes() -> None:
     """8-bit summaries at a real layer's size (8 kv heads x 4, head_dim 128, both tiers, a 256K
     table's width with a limit): bound and midrange (hybrid-mid's launch) == their references."""
     from kvtier.kernels import retrieval_attention as ra
-    from kvtier.kv.summaries import encode_pages
     g = torch.Generator(device="cuda").manual_seed(5)
     hkv, grp, d, pages, host_pages, c = 8, 4, 128, 4166, 12220, 16386
 
     def codes(n: int) -> tuple[torch.Tensor, ...]:
         a, b = torch.randn(2, n, hkv, d, device="cuda", generator=g) * 3
-        lo, hi, e = encode_pages(torch.minimum(a, b), torch.maximum(a, b))
         cnt = torch.full((n,), PS, dtype=torch.int32, device="cuda")
         cnt[::101] = 0  # empty pages score +inf
-        return lo.to(torch.int8), hi.to(torch.int8), cnt, e.to(torch.int8)
+        return interp_cases._codes((torch.minimum(a, b), torch.maximum(a, b), cnt))
     dev, host = codes(pages), codes(host_pages)
     ids = torch.cat([torch.arange(pages), -1 - torch.arange(c - pages)]).cuda()[None].repeat(2, 1)
     qg = (torch.randn(2, hkv, grp, d, device="cuda", generator=g) * 2).bfloat16()

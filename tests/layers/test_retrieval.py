@@ -76,7 +76,7 @@ def test_8bit_summaries_bound_the_keys_and_do_not_depend_on_how_rows_arrive():
         assert int(s.count[layer, p]) == len(rs)
         assert torch.equal(s.kexp[layer, p].int(), e)
         assert torch.equal(s.kmin[layer, p].int(), cmin) and torch.equal(s.kmax[layer, p].int(), cmax)
-        got_lo, got_hi = s.bounds(layer, torch.tensor([p]))
+        got_lo, got_hi = (s.values(name, layer, torch.tensor([p])) for name in ("kmin", "kmax"))
         step = pow2(e)[:, None]
         assert (got_lo[0] <= lo).all() and (got_hi[0] >= hi).all()
         assert (lo - got_lo[0] < step).all() and (got_hi[0] - hi < step).all()
