@@ -3,6 +3,11 @@ setting, beside torch.topk, over score rows of a retrieval graph's shapes (8 kv 
 
     PYTHONPATH=. python3 tools/sweep_topk.py            # chunk / warp settings
     PYTHONPATH=. python3 tools/sweep_topk.py --merge    # the merge's chunks a step (TOPK_MERGE_GROUP)
+    PYTHONPATH=. python3 tools/sweep_topk.py --filter   # chunked against filtered (TOPK_FILTER)
+
+--filter also times a hybrid's pair (k1 with exclude=, then k2 over the struck table) and scores
+that rise towards the row's end (recent pages scoring higher, as real text's do), where the best
+keys crowd few sub-blocks and the filter keeps more candidates.
 
 Cases (columns, k, live columns): a 256K table's 16,386 columns with every column live and with
 256 (a 4K context in a 256K engine), k 56 (hybrid's halves) and 112, and 4,352 columns. Each row:
@@ -27,6 +32,8 @@ def main() -> None:
     s = torch.randn(1, 8, 16386, device="cuda")
     base = (ra.TOPK_CHUNK, ra.TOPK_CHUNK_WARPS, ra.TOPK_MERGE_KEYS_PER_WARP, ra.TOPK_CHUNK_PICKS)
     group = ra.TOPK_MERGE_GROUP
+    if "--filter" in sys.argv:
+        return filtered(s)
     for c, k, lv in ((16386, 56, 16386), (16386, 56, 256), (16386, 112, 16386), (4352, 56, 4352)):
         x = s[..., :c].contiguous()
         live = torch.tensor([lv], device="cuda")
@@ -44,6 +51,34 @@ def main() -> None:
             ok = torch.equal(ra.topk_columns(x, k, live), ra.topk_columns_reference(x, k, live))
             print(f"   chunk {ch} warps {cw} merge keys/warp {kpw}: {us:6.1f} us {'' if ok else 'WRONG'}", flush=True)
     ra.TOPK_CHUNK, ra.TOPK_CHUNK_WARPS, ra.TOPK_MERGE_KEYS_PER_WARP, ra.TOPK_CHUNK_PICKS = base
+
+
+def filtered(s: torch.Tensor) -> None:
+    flag = ra.TOPK_FILTER
+    ramp = torch.linspace(0, 6, s.shape[-1], device="cuda")
+    cases = [(16386, 56, 16386, "random"), (16386, 56, 256, "random"), (16386, 112, 16386, "random"),
+             (4352, 56, 4352, "random"), (16386, 56, 16386, "rising"), (65538, 56, 65538, "random")]
+    for c, k, lv, kind in cases:
+        x = (torch.randn(1, 8, c, device="cuda") if c > s.shape[-1] else s[..., :c]).contiguous()
+        if kind == "rising":
+            x = x + ramp[:c]
+        live = torch.tensor([lv], device="cuda")
+        want = ra.topk_columns_reference(x, k, live)
+        row = []
+        for ra.TOPK_FILTER in (False, True):
+            us = timed(lambda: ra.topk_columns(x, k, live))
+            ok = torch.equal(ra.topk_columns(x, k, live), want)
+            # a hybrid's pair: the first half strikes its picks from a second table
+            y = torch.randn_like(x)
+
+            def pair():
+                ra.topk_columns(x, k, live, exclude=y)
+                ra.topk_columns(y, k, live)
+            pus = timed(pair)
+            row.append(f"{'filtered' if ra.TOPK_FILTER else 'chunked'} {us:5.1f} us, pair {pus:5.1f}"
+                       f"{'' if ok else ' WRONG'}")
+        print(f"C {c} k {k} live {lv} {kind}: " + "; ".join(row), flush=True)
+    ra.TOPK_FILTER = flag
 
 
 if __name__ == "__main__":

@@ -178,6 +178,20 @@ TOPK_MERGE_KEYS_PER_WARP = 128  # the merge program's warps: its keys / this, 4 
 # time into a running best was slower where all are live (19.8 -> 24.9 us), so past GROUP live
 # chunks it is one sort of all of them, as before.
 TOPK_MERGE_GROUP = 4
+# topk_columns by a threshold instead of sorting every chunk (`_topk_filtered`), for k up to
+# TOPK_FILTER_MAX_K: the best key of each sub-block of columns (TOPK_FILTER_MAXIMA sub-blocks a row at
+# most, TOPK_FILTER_MIN_SUB columns each at least), the k-th best of those maxima as the threshold,
+# the keys at or above it gathered (TOPK_FILTER_CAP at most; else the pick pass walks the row), one
+# sort of them. UNTIMED on a GPU (issue 12's 256K step: the chunked top-k and its merge, 4 launches
+# a layer, were ~20 us each on an H100).
+TOPK_FILTER = False
+TOPK_FILTER_MAX_K = 128
+TOPK_FILTER_MAXIMA = 512
+TOPK_FILTER_MIN_SUB = 16
+TOPK_FILTER_CHUNK = 1024
+TOPK_FILTER_CAP = 1024
+TOPK_FILTER_SMALL = 256
+TOPK_FILTER_WARPS = 4
 
 if HAVE_TRITON:
     import triton
@@ -370,6 +384,96 @@ if HAVE_TRITON:
             tl.store(exc_ptr + rh.to(tl.int64) * C + col, tl.full([KP], float("-inf"), tl.float32),
                      mask=(j < K) & live)
 
+    @triton.jit
+    def _filter_keys(s_ptr, rh, c, n, C):
+        """Keys (`_column_keys`) of columns c of row-head rh of an [RH, C] score table; NO_KEY where
+        the score is -inf (or NaN) and at or past n, unread."""
+        s = tl.load(s_ptr + rh.to(tl.int64) * C + c, mask=c < n, other=float("-inf"))
+        return tl.where(s > float("-inf"), _column_keys(s, c), NO_KEY)
+
+    @triton.jit(do_not_specialize=["H", "C", "M"])
+    def _topk_max_kernel(s_ptr, live_ptr, max_ptr, cnt_ptr, H, C, M, CH: tl.constexpr, SUB: tl.constexpr,
+                         HAS_LIVE: tl.constexpr, PDL: tl.constexpr = False):
+        """The filtered top-k's first pass, one (row-head rh, chunk of CH columns): the best key of
+        each SUB columns -> max_ptr[rh, :M] (NO_KEY where none scores above -inf); chunk 0 zeroes
+        the row-head's candidate count for the second pass."""
+        wait_before_reads(PDL)
+        rh = tl.program_id(0)
+        ch = tl.program_id(1)
+        n = C
+        if HAS_LIVE:
+            n = tl.minimum(tl.load(live_ptr + rh // H).to(tl.int32), C)
+        if ch == 0:
+            tl.store(cnt_ptr + rh, 0)
+        j = ch * (CH // SUB) + tl.arange(0, CH // SUB)
+        dst = max_ptr + rh.to(tl.int64) * M + j
+        if ch * CH >= n:
+            tl.store(dst, tl.full([CH // SUB], NO_KEY, tl.int64), mask=j < M)
+            return
+        key = _filter_keys(s_ptr, rh, ch * CH + tl.arange(0, CH), n, C)
+        tl.store(dst, tl.max(tl.reshape(key, (CH // SUB, SUB)), axis=1), mask=j < M)
+
+    @triton.jit(do_not_specialize=["H", "C", "M", "KT"])
+    def _topk_filter_kernel(s_ptr, live_ptr, max_ptr, cnt_ptr, cand_ptr, H, C, M, KT, CH: tl.constexpr,
+                            MP: tl.constexpr, KTP: tl.constexpr, CAP: tl.constexpr, HAS_LIVE: tl.constexpr,
+                            PDL: tl.constexpr = False):
+        """The second pass, one (row-head rh, chunk of CH columns): T = the KT-th best of the
+        row-head's M maxima (NO_KEY where fewer than KT are above it); the chunk's keys >= T (and
+        above NO_KEY) appended to the row-head's candidates cand_ptr[rh, :CAP] (the count at
+        cnt_ptr[rh] goes on past CAP: the pick pass then reads the row itself). Every one of the
+        KT best keys is >= T: KT sub-blocks hold a key >= T, at most KT x SUB keys in all."""
+        wait_before_reads(PDL)
+        rh = tl.program_id(0)
+        ch = tl.program_id(1)
+        n = C
+        if HAS_LIVE:
+            n = tl.minimum(tl.load(live_ptr + rh // H).to(tl.int32), C)
+        if ch * CH >= n:
+            return
+        i = tl.arange(0, MP)
+        mx = tl.load(max_ptr + rh.to(tl.int64) * M + i, mask=i < M, other=NO_KEY)
+        t = tl.max(tl.where(tl.arange(0, KTP) == KT - 1, tl.topk(mx, KTP), NO_KEY), axis=0)
+        key = _filter_keys(s_ptr, rh, ch * CH + tl.arange(0, CH), n, C)
+        keep = (key >= t) & (key > NO_KEY)
+        k32 = keep.to(tl.int32)
+        pos = tl.atomic_add(cnt_ptr + rh, tl.sum(k32, axis=0)) + tl.cumsum(k32, axis=0) - 1
+        tl.store(cand_ptr + rh.to(tl.int64) * CAP + pos, key, mask=keep & (pos < CAP))
+
+    @triton.jit(do_not_specialize=["K", "H", "C", "OUT_STRIDE"])
+    def _topk_pick_kernel(s_ptr, live_ptr, cnt_ptr, cand_ptr, out_ptr, exc_ptr, K, H, C, OUT_STRIDE,
+                          KP: tl.constexpr, SMALL: tl.constexpr, CAP: tl.constexpr, TILE: tl.constexpr,
+                          HAS_LIVE: tl.constexpr, EXCLUDE: tl.constexpr = False, PDL: tl.constexpr = False):
+        """The last pass, one row-head: the K best of its candidates -> columns, best first, as
+        `_topk_merge_kernel` writes them (-1 for none; EXCLUDE alike). One sort of SMALL or CAP
+        keys; past CAP candidates (only where many sub-blocks' maxima crowd the threshold), the
+        whole row a TILE at a time into a running best."""
+        wait_before_reads(PDL)
+        rh = tl.program_id(0)
+        m = tl.load(cnt_ptr + rh)
+        base = cand_ptr + rh.to(tl.int64) * CAP
+        if m <= SMALL:
+            i1 = tl.arange(0, SMALL)
+            top = tl.topk(tl.load(base + i1, mask=i1 < m, other=NO_KEY), KP)
+        elif m <= CAP:
+            i2 = tl.arange(0, CAP)
+            top = tl.topk(tl.load(base + i2, mask=i2 < m, other=NO_KEY), KP)
+        else:
+            n = C
+            if HAS_LIVE:
+                n = tl.minimum(tl.load(live_ptr + rh // H).to(tl.int32), C)
+            top = tl.full([KP], NO_KEY, tl.int64)
+            for c0 in range(0, n, TILE):
+                tile = tl.topk(_filter_keys(s_ptr, rh, c0 + tl.arange(0, TILE), n, C), KP)
+                top = tl.topk(tl.reshape(tl.join(top, tile), (2 * KP,)), KP)
+        low = tl.full([], 0xFFFFFFFF, tl.int64)
+        col = low - (top & low)
+        live = top > NO_KEY
+        j = tl.arange(0, KP)
+        tl.store(out_ptr + rh.to(tl.int64) * OUT_STRIDE + j, tl.where(live, col, -1), mask=j < K)
+        if EXCLUDE:
+            tl.store(exc_ptr + rh.to(tl.int64) * C + col, tl.full([KP], float("-inf"), tl.float32),
+                     mask=(j < K) & live)
+
     @triton.jit(do_not_specialize=["Hkv", "C", "F", "K"])
     def _assemble_kernel(top_ptr, cidx_ptr, cids_ptr, fidx_ptr, fids_ptr, topk_ptr, idx_ptr, ids_ptr, Hkv, C, F, K,
                          BLOCK: tl.constexpr, PDL: tl.constexpr = False):
@@ -523,6 +627,9 @@ def topk_columns(scores: torch.Tensor, k: int, live: torch.Tensor | None = None,
     if r * h == 0 or k == 0:
         return out
     kp = max(2, triton.next_power_of_2(k))  # k = 1 as a one-key tl.topk failed on an H100 (untraced)
+    if TOPK_FILTER and kp <= TOPK_FILTER_MAX_K:
+        _topk_filtered(scores.contiguous(), k, kp, live, out, exclude)
+        return out
     ch = max(TOPK_CHUNK, TOPK_CHUNK_PICKS * kp, triton.next_power_of_2(triton.cdiv(c, TOPK_MAX_CHUNKS)))
     nch = triton.cdiv(c, ch)
     keys = torch.empty((r * h, nch, kp), dtype=torch.int64, device=scores.device)
@@ -538,6 +645,36 @@ def topk_columns(scores: torch.Tensor, k: int, live: torch.Tensor | None = None,
                                  num_warps=min(16, max(4, np_ // TOPK_MERGE_KEYS_PER_WARP)),
                                  **pdl.launch_args(s.device))
     return out
+
+
+def _topk_filtered(s: torch.Tensor, k: int, kp: int, live: torch.Tensor | None, out: torch.Tensor,
+                   exclude: torch.Tensor | None) -> None:
+    """topk_columns by a threshold (TOPK_FILTER), three launches: each TOPK_FILTER_CHUNK columns'
+    best key a sub-block (of `sub` columns: at most TOPK_FILTER_MAXIMA sub-blocks a row); every
+    key at least the k-th best sub-block maximum, appended to a candidate buffer; one sort of
+    the candidates (usually a few more than k) per row-head."""
+    r, h, c = s.shape
+    sub = max(TOPK_FILTER_MIN_SUB, triton.next_power_of_2(triton.cdiv(c, TOPK_FILTER_MAXIMA)))
+    m = triton.cdiv(c, sub)
+    mp = max(2, triton.next_power_of_2(m))
+    ch = max(TOPK_FILTER_CHUNK, sub)
+    nch = triton.cdiv(c, ch)
+    cap = max(TOPK_FILTER_CAP, TOPK_FILTER_SMALL, kp)
+    dev = s.device
+    maxima = torch.empty((r * h, m), dtype=torch.int64, device=dev)
+    count = torch.empty(r * h, dtype=torch.int32, device=dev)
+    cand = torch.empty((r * h, cap), dtype=torch.int64, device=dev)
+    lv = live.contiguous() if live is not None else s
+    _topk_max_kernel[(r * h, nch)](s, lv, maxima, count, h, c, m, CH=ch, SUB=sub, HAS_LIVE=live is not None,
+                                   num_warps=4, **pdl.launch_args(dev))
+    _topk_filter_kernel[(r * h, nch)](s, lv, maxima, count, cand, h, c, m, k, CH=ch, MP=mp, KTP=min(kp, mp),
+                                      CAP=cap, HAS_LIVE=live is not None, num_warps=TOPK_FILTER_WARPS,
+                                      **pdl.launch_args(dev))
+    _topk_pick_kernel[(r * h,)](s, lv, count, cand, out, exclude if exclude is not None else s, k, h, c,
+                                out.stride(1), KP=kp, SMALL=max(TOPK_FILTER_SMALL, kp), CAP=cap,
+                                TILE=max(TOPK_FILTER_CHUNK, kp), HAS_LIVE=live is not None,
+                                EXCLUDE=exclude is not None, num_warps=TOPK_FILTER_WARPS,
+                                **pdl.launch_args(dev))
 
 
 def _topk_out(out: torch.Tensor | None, r: int, h: int, k: int, device: torch.device) -> torch.Tensor:

@@ -83,7 +83,9 @@ def main() -> None:
         except AssertionError as e:
             failures.append(f"quest_scores Hkv={hkv} G={g} D={d} host={with_host}: {e}")
     base = ra.TOPK_CHUNK, ra.TOPK_CHUNK_PICKS, ra.TOPK_MERGE_GROUP
-    # the defaults, then chunks of 16 columns: many chunks, with few live ones sorted alone or not
+    filtered, ra.TOPK_FILTER = ra.TOPK_FILTER, False
+    # the chunked path: the defaults, then chunks of 16 columns: many chunks, with few live ones
+    # sorted alone or not
     for setting in (base, (16, 1, 2), (16, 1, 0)):
         ra.TOPK_CHUNK, ra.TOPK_CHUNK_PICKS, ra.TOPK_MERGE_GROUP = setting
         for i, case in enumerate(TOPK_CASES):
@@ -92,6 +94,8 @@ def main() -> None:
             except AssertionError as e:
                 failures.append(f"topk_columns {case} (chunk, picks, merge group {setting}): {e}")
     ra.TOPK_CHUNK, ra.TOPK_CHUNK_PICKS, ra.TOPK_MERGE_GROUP = base
+    ra.TOPK_FILTER = filtered
+    failures += check_topk_filtered(ra)
     for i in range(3):
         try:
             check_assemble(ra, seed=1100 + i)
@@ -280,6 +284,34 @@ def check_topk(ra, r: int, h: int, c: int, k: int, seed: int, device: str = "cpu
         assert torch.equal(w[..., 2:2 + k], want), f"{name}: out= picks differ"
         assert bool((w[..., :2] == 7).all() and (w[..., 2 + k:] == 7).all()), f"{name}: wrote outside out="
         assert torch.equal(o, struck), f"{name}: exclude= struck other columns than the picks"
+
+
+# The filtered top-k's (chunk, least sub-block, sub-blocks a row, candidates, one-sort size): the
+# defaults; candidates past the buffer (the pick pass walks the row: 1,100 columns, 40 picks, fewer
+# sub-blocks than picks); more candidates than the small sort (37 of 64)
+FILTER_SETTINGS = [None, (16, 4, 64, 8, 4), (64, 16, 512, 64, 4)]
+FILTER_NAMES = ("TOPK_FILTER_CHUNK", "TOPK_FILTER_MIN_SUB", "TOPK_FILTER_MAXIMA", "TOPK_FILTER_CAP",
+                "TOPK_FILTER_SMALL")
+
+
+def check_topk_filtered(ra, device: str = "cpu", cases=None) -> list[str]:
+    """check_topk through topk_columns' threshold path (TOPK_FILTER) at each FILTER_SETTINGS."""
+    failures = []
+    saved = [getattr(ra, n) for n in ("TOPK_FILTER", *FILTER_NAMES)]
+    try:
+        ra.TOPK_FILTER = True
+        for setting in FILTER_SETTINGS:
+            for name, v in zip(FILTER_NAMES, setting or saved[1:]):
+                setattr(ra, name, v)
+            for i, case in enumerate(cases or TOPK_CASES):
+                try:
+                    check_topk(ra, *case, seed=1600 + i, device=device)
+                except AssertionError as e:
+                    failures.append(f"topk_columns {case} filtered ({setting or 'defaults'}): {e}")
+    finally:
+        for name, v in zip(("TOPK_FILTER", *FILTER_NAMES), saved):
+            setattr(ra, name, v)
+    return failures
 
 
 def check_assemble(ra, seed: int, device: str = "cpu") -> None:
