@@ -41,6 +41,8 @@ def default_cache_dir() -> Path:
 SELECTORS = ("quest", "quest-max", "meankey", "centroid", "hybrid", "midrange", "hybrid-mid")
 # Selectors that read the pages' key sums (the mean key): the others keep no sums (kv/summaries.py).
 SUM_SELECTORS = ("meankey", "centroid", "hybrid")
+# --kvmem-summary-bits: 0, auto (8 on CUDA, 16 elsewhere); 8; 16 (kv/summaries.py summary_dtype)
+SUMMARY_BITS = (0, 8, 16)
 # Sink tokens: StreamingLLM keeps the first 4 tokens (the attention sinks); rounded up to pages,
 # that is one page at any page size, the least that keeps position 0 in every selection.
 DEFAULT_SINK = 4
@@ -89,7 +91,7 @@ class RetrievalConfig:
             raise ValueError(f"kvmem window must be >= 0 tokens, got {self.window}")
         if self.selector not in SELECTORS:
             raise ValueError(f"kvmem selector must be one of {', '.join(SELECTORS)}, got {self.selector!r}")
-        if self.summary_bits not in (0, 8, 16):
+        if self.summary_bits not in SUMMARY_BITS:
             raise ValueError(f"kvmem summary bits must be 8, 16 or 0 (auto), got {self.summary_bits}")
         if self.gpu_cache < -1:
             raise ValueError(f"kvmem GPU cache must be >= 0 tokens (-1 = auto, 0 = off), got {self.gpu_cache}")

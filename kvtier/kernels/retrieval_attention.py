@@ -286,11 +286,12 @@ if HAVE_TRITON:
             acc = tl.sum(kmin * qs[None, :], axis=1) / tl.maximum(cnt, 1).to(tl.float32)
         elif REDUCE_MAX:  # max over the group of sum_d max(q_d min_d, q_d max_d) = q+ . max + q- . min
             acc = tl.full([BLOCK_C], float("-inf"), tl.float32)
-            qs = tl.zeros([1, D], tl.float32)
+            qs = tl.zeros([1, D], tl.float32)  # the group's summed q: MID's only
             for g in range(0, G):
                 qv = tl.load(q_row + g * D + d).to(tl.float32)[None, :]  # [1, D]
                 acc = tl.maximum(acc, tl.sum(tl.maximum(qv, 0.0) * kmax + tl.minimum(qv, 0.0) * kmin, axis=1))
-                qs += qv
+                if MID:
+                    qs += qv
         else:
             # The group's summed bound, sum_g sum_d max(q_gd min_d, q_gd max_d), is (as min <= max)
             # sum_d (sum_g q_gd+) max_d + (sum_g q_gd-) min_d: the group's positive and negative

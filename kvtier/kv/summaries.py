@@ -58,13 +58,13 @@ from __future__ import annotations
 
 import torch
 
+from kvtier.config import SUMMARY_BITS
 from kvtier.device import tensor_to
 
 
 # Least exponent of 8-bit summaries (module docstring): pages whose keys are all below 127 * 2^E_MIN
 # in magnitude share it (their codes round outward to -1 / 0 / 1).
 E_MIN = -100
-SUMMARY_BITS = (0, 8, 16)  # 0: auto, 8 on CUDA and 16 elsewhere (config.RetrievalConfig.summary_bits)
 
 
 def summary_dtype(device: torch.device | str, key_dtype: torch.dtype, bits: int = 16) -> torch.dtype:
