@@ -6,6 +6,9 @@
 #   tools/device_run.sh bench      decode/prefill benches (bf16, int8, k8v4 KV) + 80K prefix TTFT
 #   tools/device_run.sh runtime    runtime/kernel GPU tests + the decode grid bench (bf16, 1K, batch 1/32)
 #   tools/device_run.sh grid       the full decode grid (bf16/int8/k8v4 KV, 1K/32K, batch 1/32) + 8K prefill
+#   tools/device_run.sh untimed    the off-by-default kernel paths (INT8_DOT, TOPK_FILTER): their GPU
+#                                  tests, sweeps, and issue 10's 32K rows off / on (~600 s)
+#   tools/device_run.sh untimed256 issue 12's 256K row with TOPK_FILTER off / on (~550 s)
 #   tools/device_run.sh            both
 set -u
 export PYTHONUNBUFFERED=1
@@ -31,6 +34,24 @@ if [ "$what" = grid ]; then
   T=360 run python3 -m kvtier.cli bench --shape qwen3-8b --contexts 1024,8192,32768 --batches 1,32 \
     --kv-dtypes bf16,int8,k8v4 --gen-tokens 48 --out "$B"
   T=150 run python3 -m kvtier.cli bench --shape qwen3-8b --cached-tokens 81920 --new-tokens 50 --no-hf --out "$B"
+fi
+if [ "$what" = untimed ]; then
+  T=200 run python3 -m pytest -q -p no:cacheprovider -n 8 tests/gpu/test_retrieval_kernel.py \
+    tests/gpu/test_paged_attention.py tests/gpu/test_runtime.py -k "topk or int8_key or departing or synchron"
+  (cd tools && T=100 run python3 sweep_topk.py --filter)
+  (cd tools && T=60 run python3 sweep_select.py)
+  (cd tools && T=150 run python3 sweep_paged.py --int8-dot)
+  for f in False True; do
+    ATTRS="kvtier.kernels.paged_attention:INT8_DOT=$f" T=150 run python3 tools/with_attrs.py cli bench \
+      --shape qwen3-8b --contexts 32768 --batches 1 --kv-dtypes bf16,int8,k8v4 --gen-tokens 48 --no-hf --out "$B"
+  done
+fi
+if [ "$what" = untimed256 ]; then
+  for f in False True; do
+    ATTRS="kvtier.kernels.retrieval_attention:TOPK_FILTER=$f" T=280 run python3 tools/with_attrs.py cli bench \
+      --shape qwen3-8b-int4 --gpu-memory-limit 12GiB --contexts 4096,262144 --batches 1 --max-batch 2 \
+      --kv-dtypes k8v4 --kvmem-budget 2048 --kvmem-selector hybrid-mid --no-hf --gen-tokens 64 --out "$B"
+  done
 fi
 if [ "$what" = tests ] || [ "$what" = all ]; then
   T=240 run python3 -m pytest -q -p no:cacheprovider -x -rs tests/gpu

@@ -125,7 +125,7 @@ class PageTransfers:
         if sinks is not None:  # [L, n, H, D]: all layers' sink rows in one gather
             s_slots, d_slots = sinks
             for a, b in ((src.sink_k, dst.sink_k), (src.sink_v, dst.sink_v)):
-                move(a, b, 1, s_slots.to(src.device), d_slots)
+                move(a, b, 1, tensor_to(s_slots, src.device), tensor_to(d_slots, dst.device))
         if to_host:  # the host scatter must wait for the device->host copies
             torch.cuda.current_stream(src.device).synchronize()
             for t, dim, di, moved in staged_host:
