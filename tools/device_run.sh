@@ -40,7 +40,7 @@ if [ "$what" = untimed ]; then
     tests/gpu/test_paged_attention.py tests/gpu/test_runtime.py -k "topk or int8_key or departing or synchron"
   (cd tools && T=100 run python3 sweep_topk.py --filter)
   (cd tools && T=60 run python3 sweep_select.py)
-  (cd tools && T=150 run python3 sweep_paged.py --int8-dot)
+  (cd tools && T=200 run python3 sweep_paged.py --int8-dot)
   for f in False True; do
     ATTRS="kvtier.kernels.paged_attention:INT8_DOT=$f" T=150 run python3 tools/with_attrs.py cli bench \
       --shape qwen3-8b --contexts 32768 --batches 1 --kv-dtypes bf16,int8,k8v4 --gen-tokens 48 --no-hf --out "$B"
