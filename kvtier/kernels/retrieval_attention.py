@@ -179,18 +179,20 @@ TOPK_MERGE_KEYS_PER_WARP = 128  # the merge program's warps: its keys / this, 4 
 # chunks it is one sort of all of them, as before.
 TOPK_MERGE_GROUP = 4
 # topk_columns by a threshold instead of sorting every chunk (`_topk_filtered`), for k up to
-# TOPK_FILTER_MAX_K: the best key of each sub-block of columns (TOPK_FILTER_MAXIMA sub-blocks a row at
-# most, TOPK_FILTER_MIN_SUB columns each at least), the k-th best of those maxima as the threshold,
-# the keys at or above it gathered (TOPK_FILTER_CAP at most; else the pick pass walks the row), one
-# sort of them. UNTIMED on a GPU (issue 12's 256K step: the chunked top-k and its merge, 4 launches
-# a layer, were ~20 us each on an H100).
+# TOPK_FILTER_MAX_K: the best score of each sub-block of columns (TOPK_FILTER_MAXIMA sub-blocks a row
+# at most, TOPK_FILTER_MIN_SUB columns each at least), the k-th best of those maxima as the threshold
+# (32-bit: a sort of 256 int32 where the chunked merge sorts 1,024 int64), the keys at or above it
+# gathered (TOPK_FILTER_CAP at most; else the pick pass walks the row), one sort of them
+# (TOPK_FILTER_SMALL keys where they fit). Offline sm_90 builds, SASS a program: chunk 1,488 + merge
+# 1,896 against the filter's 336 + ~1,100 + the pick's small sort. UNTIMED on a GPU (issue 12's 256K
+# step: the chunked top-k and its merge, 4 launches a layer, were ~20 us each on an H100).
 TOPK_FILTER = False
 TOPK_FILTER_MAX_K = 128
-TOPK_FILTER_MAXIMA = 512
+TOPK_FILTER_MAXIMA = 256
 TOPK_FILTER_MIN_SUB = 16
 TOPK_FILTER_CHUNK = 1024
 TOPK_FILTER_CAP = 1024
-TOPK_FILTER_SMALL = 256
+TOPK_FILTER_SMALL = 128
 TOPK_FILTER_WARPS = 4
 
 if HAVE_TRITON:
@@ -319,15 +321,20 @@ if HAVE_TRITON:
 
     NO_KEY = tl.constexpr(-(1 << 63))  # below every column's key: padding past the last column
 
+    NO_BITS = tl.constexpr(-(1 << 31))  # below every score's `_score_bits` (-inf's included)
+
+    @triton.jit
+    def _score_bits(s):
+        """fp32 scores -> int32 in the same order: the bits, a negative float's magnitude bits flipped."""
+        b = tl.where(s == 0.0, 0.0, s).to(tl.int32, bitcast=True)  # -0.0 ties +0.0, as in a sort
+        return tl.where(b < 0, b ^ 0x7FFFFFFF, b)
+
     @triton.jit
     def _column_keys(s, c):
         """fp32 scores s, columns c -> int64 keys whose order is (score, then the lower column):
-        the score's bits, made order-preserving as a signed int32 (a negative float's magnitude
-        bits flipped), above the column's complement."""
-        b = tl.where(s == 0.0, 0.0, s).to(tl.int32, bitcast=True)  # -0.0 ties +0.0, as in a sort
-        b = tl.where(b < 0, b ^ 0x7FFFFFFF, b)
+        the score's `_score_bits` above the column's complement."""
         low = tl.full([], 0xFFFFFFFF, tl.int64)
-        return (b.to(tl.int64) << 32) | (low - c.to(tl.int64))
+        return (_score_bits(s).to(tl.int64) << 32) | (low - c.to(tl.int64))
 
     @triton.jit(do_not_specialize=["H", "C", "NCH"])
     def _topk_chunk_kernel(s_ptr, live_ptr, out_ptr, H, C, NCH, CH: tl.constexpr, KP: tl.constexpr,
@@ -386,18 +393,23 @@ if HAVE_TRITON:
                      mask=(j < K) & live)
 
     @triton.jit
+    def _filter_scores(s_ptr, rh, c, n, C):
+        """Scores of columns c of row-head rh of an [RH, C] table, -inf at or past n (unread)."""
+        return tl.load(s_ptr + rh.to(tl.int64) * C + c, mask=c < n, other=float("-inf"))
+
+    @triton.jit
     def _filter_keys(s_ptr, rh, c, n, C):
-        """Keys (`_column_keys`) of columns c of row-head rh of an [RH, C] score table; NO_KEY where
-        the score is -inf (or NaN) and at or past n, unread."""
-        s = tl.load(s_ptr + rh.to(tl.int64) * C + c, mask=c < n, other=float("-inf"))
+        """Keys (`_column_keys`) of columns c of row-head rh; NO_KEY where the score is -inf (or
+        NaN) and at or past n."""
+        s = _filter_scores(s_ptr, rh, c, n, C)
         return tl.where(s > float("-inf"), _column_keys(s, c), NO_KEY)
 
     @triton.jit(do_not_specialize=["H", "C", "M"])
     def _topk_max_kernel(s_ptr, live_ptr, max_ptr, cnt_ptr, H, C, M, CH: tl.constexpr, SUB: tl.constexpr,
                          HAS_LIVE: tl.constexpr, PDL: tl.constexpr = False):
-        """The filtered top-k's first pass, one (row-head rh, chunk of CH columns): the best key of
-        each SUB columns -> max_ptr[rh, :M] (NO_KEY where none scores above -inf); chunk 0 zeroes
-        the row-head's candidate count for the second pass."""
+        """The filtered top-k's first pass, one (row-head rh, chunk of CH columns): the best score
+        of each SUB columns, as `_score_bits`, -> max_ptr[rh, :M] int32 (NO_BITS where none is above
+        -inf); chunk 0 zeroes the row-head's candidate count for the second pass."""
         wait_before_reads(PDL)
         rh = tl.program_id(0)
         ch = tl.program_id(1)
@@ -409,20 +421,22 @@ if HAVE_TRITON:
         j = ch * (CH // SUB) + tl.arange(0, CH // SUB)
         dst = max_ptr + rh.to(tl.int64) * M + j
         if ch * CH >= n:
-            tl.store(dst, tl.full([CH // SUB], NO_KEY, tl.int64), mask=j < M)
+            tl.store(dst, tl.full([CH // SUB], NO_BITS, tl.int32), mask=j < M)
             return
-        key = _filter_keys(s_ptr, rh, ch * CH + tl.arange(0, CH), n, C)
-        tl.store(dst, tl.max(tl.reshape(key, (CH // SUB, SUB)), axis=1), mask=j < M)
+        s = _filter_scores(s_ptr, rh, ch * CH + tl.arange(0, CH), n, C)
+        bits = tl.where(s > float("-inf"), _score_bits(s), NO_BITS)
+        tl.store(dst, tl.max(tl.reshape(bits, (CH // SUB, SUB)), axis=1), mask=j < M)
 
     @triton.jit(do_not_specialize=["H", "C", "M", "KT"])
     def _topk_filter_kernel(s_ptr, live_ptr, max_ptr, cnt_ptr, cand_ptr, H, C, M, KT, CH: tl.constexpr,
                             MP: tl.constexpr, KTP: tl.constexpr, CAP: tl.constexpr, HAS_LIVE: tl.constexpr,
                             PDL: tl.constexpr = False):
         """The second pass, one (row-head rh, chunk of CH columns): T = the KT-th best of the
-        row-head's M maxima (NO_KEY where fewer than KT are above it); the chunk's keys >= T (and
-        above NO_KEY) appended to the row-head's candidates cand_ptr[rh, :CAP] (the count at
-        cnt_ptr[rh] goes on past CAP: the pick pass then reads the row itself). Every one of the
-        KT best keys is >= T: KT sub-blocks hold a key >= T, at most KT x SUB keys in all."""
+        row-head's M maxima (NO_BITS where fewer than KT are above -inf); the keys of the chunk's
+        scores >= T (and above -inf) appended to the row-head's candidates cand_ptr[rh, :CAP] (the
+        count at cnt_ptr[rh] goes on past CAP: the pick pass then reads the row itself). KT
+        sub-blocks hold a score >= T, so the KT best scores are all >= T; at most KT x SUB are,
+        but for ties at T."""
         wait_before_reads(PDL)
         rh = tl.program_id(0)
         ch = tl.program_id(1)
@@ -432,10 +446,12 @@ if HAVE_TRITON:
         if ch * CH >= n:
             return
         i = tl.arange(0, MP)
-        mx = tl.load(max_ptr + rh.to(tl.int64) * M + i, mask=i < M, other=NO_KEY)
-        t = tl.max(tl.where(tl.arange(0, KTP) == KT - 1, tl.topk(mx, KTP), NO_KEY), axis=0)
-        key = _filter_keys(s_ptr, rh, ch * CH + tl.arange(0, CH), n, C)
-        keep = (key >= t) & (key > NO_KEY)
+        mx = tl.load(max_ptr + rh.to(tl.int64) * M + i, mask=i < M, other=NO_BITS)
+        t = tl.max(tl.where(tl.arange(0, KTP) == KT - 1, tl.topk(mx, KTP), NO_BITS), axis=0)
+        c = ch * CH + tl.arange(0, CH)
+        s = _filter_scores(s_ptr, rh, c, n, C)
+        keep = (s > float("-inf")) & (_score_bits(s) >= t)
+        key = _column_keys(s, c)
         k32 = keep.to(tl.int32)
         pos = tl.atomic_add(cnt_ptr + rh, tl.sum(k32, axis=0)) + tl.cumsum(k32, axis=0) - 1
         tl.store(cand_ptr + rh.to(tl.int64) * CAP + pos, key, mask=keep & (pos < CAP))
@@ -662,7 +678,7 @@ def _topk_filtered(s: torch.Tensor, k: int, kp: int, live: torch.Tensor | None, 
     nch = triton.cdiv(c, ch)
     cap = max(TOPK_FILTER_CAP, TOPK_FILTER_SMALL, kp)
     dev = s.device
-    maxima = torch.empty((r * h, m), dtype=torch.int64, device=dev)
+    maxima = torch.empty((r * h, m), dtype=torch.int32, device=dev)
     count = torch.empty(r * h, dtype=torch.int32, device=dev)
     cand = torch.empty((r * h, cap), dtype=torch.int64, device=dev)
     lv = live.contiguous() if live is not None else s
