@@ -353,10 +353,12 @@ def cmd_plan(a: argparse.Namespace) -> int:
         lean = plan_for_args(a.model, a.kv_dtype, a.context, a.gpu_memory_limit, a.host_kv_mib,
                              offload_layers=a.offload_layers, retrieval=True, key_sums=False,
                              summary_bits=a.kvmem_summary_bits)
-        if lean.gpu_kv_tokens > plan.gpu_kv_tokens:
+        if lean.gpu_kv_tokens > plan.gpu_kv_tokens or lean.offload_layers < plan.offload_layers:
+            gain = (f"{lean.gpu_kv_tokens:,} context tokens on the GPU instead of {plan.gpu_kv_tokens:,}"
+                    if lean.offload_layers == plan.offload_layers else
+                    f"{lean.offload_layers} layers streamed from host RAM instead of {plan.offload_layers}")
             console.print(f"[yellow]note:[/] --kvmem-selector hybrid-mid keeps no key sums: summaries "
-                          f"{lean.summary_bytes / GIB:.2f} GiB instead of {plan.summary_bytes / GIB:.2f} GiB, "
-                          f"{lean.gpu_kv_tokens:,} context tokens on the GPU instead of {plan.gpu_kv_tokens:,}")
+                          f"{lean.summary_bytes / GIB:.2f} GiB instead of {plan.summary_bytes / GIB:.2f} GiB, {gain}")
     if plan.fits:
         print("fits")  # the verdict is the command's result: stdout, beside the table
         return 0

@@ -63,6 +63,23 @@ def test_plan_cli_prints_every_tier(capsys: pytest.CaptureFixture[str]) -> None:
     assert "weights streamed from host RAM" in capsys.readouterr().out
 
 
+def test_plan_cli_lean_summaries_note_counts_streamed_layers(capsys: pytest.CaptureFixture[str]) -> None:
+    """Where the key sums cost streamed weight layers rather than GPU pool tokens (a 32B 4-bit
+    shape at 256K under 12 GiB: the pool stays at its floor either way), the note says how many
+    layers fewer stream with hybrid-mid."""
+    args = ["plan", "--model", "qwen3-32b-int4", "--gpu-memory-limit", "12GiB", "--kv-dtype", "k8v4",
+            "--kvmem-budget", "2048", "--context", "262144"]
+    main(args)  # (may not fit this box's free RAM: the note comes either way)
+    got = capsys.readouterr()
+    out = " ".join((got.out + got.err).split())
+    full = plan_mod.plan_for_args("qwen3-32b-int4", "k8v4", 262144, "12GiB", 0, retrieval=True, key_sums=True,
+                                  summary_bits=0)
+    lean = plan_mod.plan_for_args("qwen3-32b-int4", "k8v4", 262144, "12GiB", 0, retrieval=True, key_sums=False,
+                                  summary_bits=0)
+    assert lean.offload_layers < full.offload_layers, "vacuous: the key sums cost no streamed layers"
+    assert (f"{lean.offload_layers} layers streamed from host RAM instead of {full.offload_layers}") in out
+
+
 def test_plan_cli_points_to_the_lean_summaries(capsys: pytest.CaptureFixture[str]) -> None:
     """With retrieval past the GPU pool and a selector that keeps key sums, `kvtier plan` says how
     much more of the context hybrid-mid's summaries leave on the GPU; not where nothing changes."""
