@@ -181,11 +181,12 @@ TOPK_MERGE_GROUP = 4
 # topk_columns by a threshold instead of sorting every chunk (`_topk_filtered`), for k up to
 # TOPK_FILTER_MAX_K: the best score of each sub-block of columns (TOPK_FILTER_MAXIMA sub-blocks a row
 # at most, TOPK_FILTER_MIN_SUB columns each at least), the k-th best of those maxima as the threshold
-# (32-bit: a sort of 256 int32 where the chunked merge sorts 1,024 int64), the keys at or above it
+# (32-bit: a sort of 256 int32 where the chunked merge sorts 2,048 int64), the keys at or above it
 # gathered (TOPK_FILTER_CAP at most; else the pick pass walks the row), one sort of them
-# (TOPK_FILTER_SMALL keys where they fit). Offline sm_90 builds, SASS a program: chunk 1,488 + merge
-# 1,896 against the filter's 336 + ~1,100 + the pick's small sort. UNTIMED on a GPU (issue 12's 256K
-# step: the chunked top-k and its merge, 4 launches a layer, were ~20 us each on an H100).
+# (TOPK_FILTER_SMALL keys where they fit). Offline sm_90 builds at a 256K table's 16,386 columns, k 56
+# (tools/sass_topk.py), SASS a program: chunk sort 1,488 + merge 2,184 against maxima 232 +
+# threshold and gather 888 + the pick's small sort. UNTIMED on a GPU (issue 12's 256K step: the
+# chunked top-k and its merge, 4 launches a layer, were ~20 us each on an H100).
 TOPK_FILTER = False
 TOPK_FILTER_MAX_K = 128
 TOPK_FILTER_MAXIMA = 256
@@ -667,9 +668,9 @@ def topk_columns(scores: torch.Tensor, k: int, live: torch.Tensor | None = None,
 def _topk_filtered(s: torch.Tensor, k: int, kp: int, live: torch.Tensor | None, out: torch.Tensor,
                    exclude: torch.Tensor | None) -> None:
     """topk_columns by a threshold (TOPK_FILTER), three launches: each TOPK_FILTER_CHUNK columns'
-    best key a sub-block (of `sub` columns: at most TOPK_FILTER_MAXIMA sub-blocks a row); every
-    key at least the k-th best sub-block maximum, appended to a candidate buffer; one sort of
-    the candidates (usually a few more than k) per row-head."""
+    best score a sub-block (of `sub` columns: at most TOPK_FILTER_MAXIMA sub-blocks a row); the
+    keys of every score at least the k-th best sub-block maximum, appended to a candidate buffer;
+    one sort of the candidates (usually a few more than k) per row-head."""
     r, h, c = s.shape
     sub = max(TOPK_FILTER_MIN_SUB, triton.next_power_of_2(triton.cdiv(c, TOPK_FILTER_MAXIMA)))
     m = triton.cdiv(c, sub)
