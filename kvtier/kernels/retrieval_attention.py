@@ -337,6 +337,14 @@ if HAVE_TRITON:
         low = tl.full([], 0xFFFFFFFF, tl.int64)
         return (_score_bits(s).to(tl.int64) << 32) | (low - c.to(tl.int64))
 
+    @triton.jit
+    def _live_columns(live_ptr, rh, H, C, HAS_LIVE: tl.constexpr):
+        """Columns of row-head rh that may hold a pick: min(live[rh // H], C), or C without `live`."""
+        n = C
+        if HAS_LIVE:
+            n = tl.minimum(tl.load(live_ptr + rh // H).to(tl.int32), C)
+        return n
+
     @triton.jit(do_not_specialize=["H", "C", "NCH"])
     def _topk_chunk_kernel(s_ptr, live_ptr, out_ptr, H, C, NCH, CH: tl.constexpr, KP: tl.constexpr,
                            HAS_LIVE: tl.constexpr, PDL: tl.constexpr = False):
@@ -347,9 +355,7 @@ if HAVE_TRITON:
         rh = tl.program_id(0)
         ch = tl.program_id(1)
         c0 = ch * CH
-        n = C
-        if HAS_LIVE:
-            n = tl.minimum(tl.load(live_ptr + rh // H).to(tl.int32), C)
+        n = _live_columns(live_ptr, rh, H, C, HAS_LIVE)
         dst = out_ptr + (rh.to(tl.int64) * NCH + ch) * KP + tl.arange(0, KP)
         if c0 >= n:
             c = c0 + tl.arange(0, KP)
@@ -414,9 +420,7 @@ if HAVE_TRITON:
         wait_before_reads(PDL)
         rh = tl.program_id(0)
         ch = tl.program_id(1)
-        n = C
-        if HAS_LIVE:
-            n = tl.minimum(tl.load(live_ptr + rh // H).to(tl.int32), C)
+        n = _live_columns(live_ptr, rh, H, C, HAS_LIVE)
         if ch == 0:
             tl.store(cnt_ptr + rh, 0)
         j = ch * (CH // SUB) + tl.arange(0, CH // SUB)
@@ -441,9 +445,7 @@ if HAVE_TRITON:
         wait_before_reads(PDL)
         rh = tl.program_id(0)
         ch = tl.program_id(1)
-        n = C
-        if HAS_LIVE:
-            n = tl.minimum(tl.load(live_ptr + rh // H).to(tl.int32), C)
+        n = _live_columns(live_ptr, rh, H, C, HAS_LIVE)
         if ch * CH >= n:
             return
         i = tl.arange(0, MP)
@@ -476,9 +478,7 @@ if HAVE_TRITON:
             i2 = tl.arange(0, CAP)
             top = tl.topk(tl.load(base + i2, mask=i2 < m, other=NO_KEY), KP)
         else:
-            n = C
-            if HAS_LIVE:
-                n = tl.minimum(tl.load(live_ptr + rh // H).to(tl.int32), C)
+            n = _live_columns(live_ptr, rh, H, C, HAS_LIVE)
             top = tl.full([KP], NO_KEY, tl.int64)
             for c0 in range(0, n, TILE):
                 tile = tl.topk(_filter_keys(s_ptr, rh, c0 + tl.arange(0, TILE), n, C), KP)

@@ -294,9 +294,6 @@ def check_int8_dot(pa: ModuleType) -> list[str]:
     return failures
 
 
-if __name__ == "__main__":
-    main()
-
 
 # ---------------------------------------------------------------------------------------------
 # Per-(row, kv head) page lists: kvtier/kernels/retrieval_attention.py paged_decode_selected
@@ -473,3 +470,7 @@ def median_us(fn: Callable[[], object], warmup: int, repeats: int) -> float:
         end.synchronize()
         times.append(start.elapsed_time(end) * 1e3)
     return statistics.median(times)
+
+
+if __name__ == "__main__":
+    main()
