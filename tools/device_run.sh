@@ -7,7 +7,8 @@
 #   tools/device_run.sh runtime    runtime/kernel GPU tests + the decode grid bench (bf16, 1K, batch 1/32)
 #   tools/device_run.sh grid       the full decode grid (bf16/int8/k8v4 KV, 1K/32K, batch 1/32) + 8K prefill
 #   tools/device_run.sh untimed    the off-by-default kernel paths (INT8_DOT, TOPK_FILTER): their GPU
-#                                  tests, sweeps, and issue 10's 32K rows off / on (~600 s)
+#                                  tests and sweeps (~450 s)
+#   tools/device_run.sh untimed32k issue 10's 32K rows with INT8_DOT off / on (~250 s)
 #   tools/device_run.sh untimed256 issue 12's 256K row with TOPK_FILTER off / on (~550 s)
 #   tools/device_run.sh            both
 set -u
@@ -41,6 +42,8 @@ if [ "$what" = untimed ]; then
   (cd tools && T=100 run python3 sweep_topk.py --filter)
   (cd tools && T=60 run python3 sweep_select.py)
   (cd tools && T=200 run python3 sweep_paged.py --int8-dot)
+fi
+if [ "$what" = untimed32k ]; then
   for f in False True; do
     ATTRS="kvtier.kernels.paged_attention:INT8_DOT=$f" T=150 run python3 tools/with_attrs.py cli bench \
       --shape qwen3-8b --contexts 32768 --batches 1 --kv-dtypes bf16,int8,k8v4 --gen-tokens 48 --no-hf --out "$B"
