@@ -28,13 +28,11 @@ from dataclasses import dataclass
 
 import torch
 
-from kvtier.config import RetrievalConfig
-from kvtier.eval import summary_bits
+from kvtier.eval import retrieval_methods
 from kvtier.kv.formats import make_format
 from kvtier.kv.pool import PagePool
 from kvtier.kv.summaries import PageSummaries
 from kvtier.layers.attention import AttentionMetadata
-from kvtier.layers.retrieval import RetrievalAttention
 
 # Tokens written per chunk while filling the pool (bounds the fp32 temporaries).
 FILL_CHUNK = 8192
@@ -64,11 +62,8 @@ def run_planted(length: int, margins: list[float], trials: int, budget: int, sel
     ctx = (n_pages - 1) * page_size
     pool = PagePool(make_format(kv_dtype), 1, n_pages, kv_heads, page_size, head_dim, dev, compute_dtype=compute)
     scale = head_dim ** -0.5
-    by_bits = {b: PageSummaries.for_pool(pool, bits=b) for b in sorted({summary_bits(s) for s in selectors})}
+    by_bits, methods = retrieval_methods(pool, scale, selectors, budget, sink, window, record=True, kernel=False)
     summaries = list(by_bits.values())
-    methods = {s: RetrievalAttention(
-        pool, scale, RetrievalConfig(budget=budget, sink=sink, window=window, selector=s.split("/")[0]),
-        summaries=by_bits[summary_bits(s)], record=True, kernel=False) for s in selectors}
     lo_page, hi_page = -(-sink // page_size), (ctx - window) // page_size
     if hi_page - lo_page < 1:
         raise ValueError(f"length {length} leaves no page between the sink and the window")

@@ -26,11 +26,10 @@ from dataclasses import dataclass
 
 import torch
 
-from kvtier.config import DEFAULT_SINK, DEFAULT_WINDOW, SELECTORS, RetrievalConfig
-from kvtier.eval import summary_bits
+from kvtier.config import DEFAULT_SINK, DEFAULT_WINDOW, SELECTORS
+from kvtier.eval import retrieval_methods
 from kvtier.kv.formats import PlainFormat
 from kvtier.kv.pool import PagePool
-from kvtier.kv.summaries import PageSummaries
 from kvtier.layers.attention import AttentionMetadata, DensePagedAttention
 from kvtier.layers.retrieval import RetrievalAttention, refresh_from_pool
 from kvtier.models.decoder import compute_dtype
@@ -90,15 +89,10 @@ class _Runner:
         self.pool = PagePool(PlainFormat(dtype), layers, pages, kv_heads, page_size, head_dim, self.device,
                              compute_dtype=dtype)
         self.table = list(range(pages))
-        # a selector named "<selector>/8" scores 8-bit summaries (kv/summaries.py), the others share 16-bit ones
-        self.summaries = {bits: PageSummaries.for_pool(self.pool, bits=bits)
-                          for bits in sorted({summary_bits(s) for s in selectors})}
         scale = head_dim ** -0.5
-        self.backends: dict[str, object] = {DENSE: DensePagedAttention(self.pool, scale)}
-        for s in selectors:
-            cfg = RetrievalConfig(budget=budget, sink=sink, window=window, selector=s.split("/")[0])
-            self.backends[s] = RetrievalAttention(self.pool, scale, cfg, summaries=self.summaries[summary_bits(s)],
-                                                  record=record)
+        # a selector named "<selector>/8" scores 8-bit summaries (kv/summaries.py), the others share 16-bit ones
+        self.summaries, methods = retrieval_methods(self.pool, scale, selectors, budget, sink, window, record)
+        self.backends: dict[str, object] = {DENSE: DensePagedAttention(self.pool, scale), **methods}
         # prefill: dense attention in every method; a retrieval backend also fills its summaries
         # (the others are recomputed from the pool's keys after it: `_sync_summaries`)
         self.prefill_backend = self.backends[selectors[0]] if selectors else self.backends[DENSE]

@@ -345,6 +345,20 @@ if HAVE_TRITON:
             n = tl.minimum(tl.load(live_ptr + rh // H).to(tl.int32), C)
         return n
 
+    @triton.jit
+    def _store_picks(top, out_ptr, exc_ptr, rh, K, C, OUT_STRIDE, KP: tl.constexpr, EXCLUDE: tl.constexpr):
+        """Row-head rh's best keys `top` [KP] (sorted) -> its first K columns at out_ptr + rh *
+        OUT_STRIDE, -1 for a key at -inf or padding (NO_KEY); EXCLUDE: -inf written at each pick's
+        column of another [rows x H, C] score table (exc_ptr), so that a later top-k skips them."""
+        low = tl.full([], 0xFFFFFFFF, tl.int64)
+        col = low - (top & low)
+        live = (top >> 32) > -0x7F800001  # above -inf's key (0x807FFFFF as a signed int32) and NO_KEY
+        j = tl.arange(0, KP)
+        tl.store(out_ptr + rh.to(tl.int64) * OUT_STRIDE + j, tl.where(live, col, -1), mask=j < K)
+        if EXCLUDE:
+            tl.store(exc_ptr + rh.to(tl.int64) * C + col, tl.full([KP], float("-inf"), tl.float32),
+                     mask=(j < K) & live)
+
     @triton.jit(do_not_specialize=["H", "C", "NCH"])
     def _topk_chunk_kernel(s_ptr, live_ptr, out_ptr, H, C, NCH, CH: tl.constexpr, KP: tl.constexpr,
                            HAS_LIVE: tl.constexpr, PDL: tl.constexpr = False):
@@ -382,7 +396,7 @@ if HAVE_TRITON:
         base = key_ptr + rh.to(tl.int64) * NCH * KP
         n = NCH
         if GROUP > 0:
-            lv = tl.minimum(tl.load(live_ptr + rh // H).to(tl.int32), C)
+            lv = _live_columns(live_ptr, rh, H, C, True)
             n = tl.maximum(tl.minimum((lv + CH - 1) // CH, NCH), 1)
         if GROUP > 0 and n <= GROUP:
             g = tl.arange(0, GROUP * KP)
@@ -390,14 +404,7 @@ if HAVE_TRITON:
         else:
             i = tl.arange(0, NP)
             top = tl.topk(tl.load(base + i, mask=i < NCH * KP, other=NO_KEY), KP)
-        low = tl.full([], 0xFFFFFFFF, tl.int64)
-        col = low - (top & low)
-        live = (top >> 32) > -0x7F800001  # above -inf's key (0x807FFFFF as a signed int32)
-        j = tl.arange(0, KP)
-        tl.store(out_ptr + rh.to(tl.int64) * OUT_STRIDE + j, tl.where(live, col, -1), mask=j < K)
-        if EXCLUDE:
-            tl.store(exc_ptr + rh.to(tl.int64) * C + col, tl.full([KP], float("-inf"), tl.float32),
-                     mask=(j < K) & live)
+        _store_picks(top, out_ptr, exc_ptr, rh, K, C, OUT_STRIDE, KP, EXCLUDE)
 
     @triton.jit
     def _filter_scores(s_ptr, rh, c, n, C):
@@ -483,14 +490,7 @@ if HAVE_TRITON:
             for c0 in range(0, n, TILE):
                 tile = tl.topk(_filter_keys(s_ptr, rh, c0 + tl.arange(0, TILE), n, C), KP)
                 top = tl.topk(tl.reshape(tl.join(top, tile), (2 * KP,)), KP)
-        low = tl.full([], 0xFFFFFFFF, tl.int64)
-        col = low - (top & low)
-        live = top > NO_KEY
-        j = tl.arange(0, KP)
-        tl.store(out_ptr + rh.to(tl.int64) * OUT_STRIDE + j, tl.where(live, col, -1), mask=j < K)
-        if EXCLUDE:
-            tl.store(exc_ptr + rh.to(tl.int64) * C + col, tl.full([KP], float("-inf"), tl.float32),
-                     mask=(j < K) & live)
+        _store_picks(top, out_ptr, exc_ptr, rh, K, C, OUT_STRIDE, KP, EXCLUDE)
 
     @triton.jit(do_not_specialize=["Hkv", "C", "F", "K"])
     def _assemble_kernel(top_ptr, cidx_ptr, cids_ptr, fidx_ptr, fids_ptr, topk_ptr, idx_ptr, ids_ptr, Hkv, C, F, K,
@@ -623,7 +623,7 @@ def topk_columns(scores: torch.Tensor, k: int, live: torch.Tensor | None = None,
     """The k best columns of each score row, best first, in two launches: every chunk of
     TOPK_CHUNK columns sorts its own best keys (many programs over a long row, where torch.topk
     runs one block a row: 63 us for 16K columns x 8 heads on an H100), then one program a row
-    merges the chunks' picks.
+    merges the chunks' picks. (TOPK_FILTER: three launches by a threshold, `_topk_filtered`.)
 
     scores: [R, H, C] fp32; live: [R] int, row r's columns at or past live[r] score -inf without
     being read. -> [R, H, k] int64 columns; ties go to the lower column; a pick scoring -inf is
@@ -645,19 +645,19 @@ def topk_columns(scores: torch.Tensor, k: int, live: torch.Tensor | None = None,
     if r * h == 0 or k == 0:
         return out
     kp = max(2, triton.next_power_of_2(k))  # k = 1 as a one-key tl.topk failed on an H100 (untraced)
+    s = scores.contiguous()
+    lv = live.contiguous() if live is not None else s  # (a placeholder without `live`)
     if TOPK_FILTER and kp <= TOPK_FILTER_MAX_K:
-        _topk_filtered(scores.contiguous(), k, kp, live, out, exclude)
+        _topk_filtered(s, k, kp, lv, live is not None, out, exclude)
         return out
     ch = max(TOPK_CHUNK, TOPK_CHUNK_PICKS * kp, triton.next_power_of_2(triton.cdiv(c, TOPK_MAX_CHUNKS)))
     nch = triton.cdiv(c, ch)
     keys = torch.empty((r * h, nch, kp), dtype=torch.int64, device=scores.device)
-    s = scores.contiguous()
-    _topk_chunk_kernel[(r * h, nch)](s, live.contiguous() if live is not None else s, keys, h, c, nch, CH=ch, KP=kp,
-                                     HAS_LIVE=live is not None, num_warps=TOPK_CHUNK_WARPS,
-                                     **pdl.launch_args(s.device))
+    _topk_chunk_kernel[(r * h, nch)](s, lv, keys, h, c, nch, CH=ch, KP=kp, HAS_LIVE=live is not None,
+                                     num_warps=TOPK_CHUNK_WARPS, **pdl.launch_args(s.device))
     group = TOPK_MERGE_GROUP if 0 < TOPK_MERGE_GROUP < nch and live is not None else 0
     np_ = triton.next_power_of_2(nch) * kp
-    _topk_merge_kernel[(r * h,)](keys, live.contiguous() if group else keys, out,
+    _topk_merge_kernel[(r * h,)](keys, lv if group else keys, out,
                                  exclude if exclude is not None else s, nch, k, h, c, ch, out.stride(1), KP=kp,
                                  NP=np_, GROUP=group, EXCLUDE=exclude is not None,
                                  num_warps=min(16, max(4, np_ // TOPK_MERGE_KEYS_PER_WARP)),
@@ -665,7 +665,7 @@ def topk_columns(scores: torch.Tensor, k: int, live: torch.Tensor | None = None,
     return out
 
 
-def _topk_filtered(s: torch.Tensor, k: int, kp: int, live: torch.Tensor | None, out: torch.Tensor,
+def _topk_filtered(s: torch.Tensor, k: int, kp: int, lv: torch.Tensor, has_live: bool, out: torch.Tensor,
                    exclude: torch.Tensor | None) -> None:
     """topk_columns by a threshold (TOPK_FILTER), three launches: each TOPK_FILTER_CHUNK columns'
     best score a sub-block (of `sub` columns: at most TOPK_FILTER_MAXIMA sub-blocks a row); the
@@ -682,15 +682,14 @@ def _topk_filtered(s: torch.Tensor, k: int, kp: int, live: torch.Tensor | None, 
     maxima = torch.empty((r * h, m), dtype=torch.int32, device=dev)
     count = torch.empty(r * h, dtype=torch.int32, device=dev)
     cand = torch.empty((r * h, cap), dtype=torch.int64, device=dev)
-    lv = live.contiguous() if live is not None else s
-    _topk_max_kernel[(r * h, nch)](s, lv, maxima, count, h, c, m, CH=ch, SUB=sub, HAS_LIVE=live is not None,
+    _topk_max_kernel[(r * h, nch)](s, lv, maxima, count, h, c, m, CH=ch, SUB=sub, HAS_LIVE=has_live,
                                    num_warps=4, **pdl.launch_args(dev))
     _topk_filter_kernel[(r * h, nch)](s, lv, maxima, count, cand, h, c, m, k, CH=ch, MP=mp, KTP=min(kp, mp),
-                                      CAP=cap, HAS_LIVE=live is not None, num_warps=TOPK_FILTER_WARPS,
+                                      CAP=cap, HAS_LIVE=has_live, num_warps=TOPK_FILTER_WARPS,
                                       **pdl.launch_args(dev))
     _topk_pick_kernel[(r * h,)](s, lv, count, cand, out, exclude if exclude is not None else s, k, h, c,
                                 out.stride(1), KP=kp, SMALL=max(TOPK_FILTER_SMALL, kp), CAP=cap,
-                                TILE=max(TOPK_FILTER_CHUNK, kp), HAS_LIVE=live is not None,
+                                TILE=max(TOPK_FILTER_CHUNK, kp), HAS_LIVE=has_live,
                                 EXCLUDE=exclude is not None, num_warps=TOPK_FILTER_WARPS,
                                 **pdl.launch_args(dev))
 

@@ -145,16 +145,13 @@ def test_selection_glue_kernels_match_references_cuda(seed: int) -> None:
 @pytest.mark.parametrize("r,h,c,k", [(1, 8, 16386, 56), (2, 8, 16386, 112), (3, 4, 4352, 128), (1, 2, 70000, 200),
                                      (2, 3, 37, 5), (2, 1, 9, 9),
                                      (2, 2, 65, 1), (1, 2, 65, 2)])
-def test_topk_columns_matches_reference_cuda(r: int, h: int, c: int, k: int) -> None:
+def test_topk_columns_matches_reference_cuda(r: int, h: int, c: int, k: int, monkeypatch: pytest.MonkeyPatch) -> None:
     """topk_columns == a stable descending sort, chunked (at a 256K table's width and past
     TOPK_MAX_CHUNKS chunks of TOPK_CHUNK columns) and filtered (TOPK_FILTER: every setting of the
     interpreter cases; k past TOPK_FILTER_MAX_K takes the chunked path)."""
     from kvtier.kernels import retrieval_attention as ra
-    filtered, ra.TOPK_FILTER = ra.TOPK_FILTER, False
-    try:
-        interp_cases.check_topk(ra, r, h, c, k, seed=r * 1000 + c, device="cuda")
-    finally:
-        ra.TOPK_FILTER = filtered
+    monkeypatch.setattr(ra, "TOPK_FILTER", False)
+    interp_cases.check_topk(ra, r, h, c, k, seed=r * 1000 + c, device="cuda")
     assert interp_cases.check_topk_filtered(ra, "cuda", [(r, h, c, k)]) == []
 
 
