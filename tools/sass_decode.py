@@ -3,9 +3,7 @@ format, no GPU needed: registers, spill stack, and the SASS op counts of its pag
 engine launches it for one Qwen3-8B-shape layer at 32K (bf16 q, head_dim 128, 4 query heads a kv
 head, 16-token pages, sink rows, 64 splits: the stored domain moved out of the kernel).
 
-    PYTHONPATH=. python3 tools/sass_decode.py [--int8-dot] [formats...]   # default: bf16 int8 k8v4 int4
-
---int8-dot: with paged_attention.INT8_DOT (int8 tiles to int8 tensor-core products as loaded).
+    PYTHONPATH=. python3 tools/sass_decode.py [formats...]      # default: bf16 int8 k8v4 int4
 """
 import sys
 from pathlib import Path
@@ -33,8 +31,7 @@ def build(name: str, d: int = 128, gqa: int = 4, splits: int = 64, selected: boo
            pa._split_kernel, sig, const, aligned, pa.NUM_WARPS, pa.decode_stages(fmt), loops_shown=1)
 
 
-pa.INT8_DOT = "--int8-dot" in sys.argv
-for name in [a for a in sys.argv[1:] if not a.startswith("--")] or ["bf16", "int8", "k8v4", "int4"]:
+for name in sys.argv[1:] or ["bf16", "int8", "k8v4", "int4"]:
     try:
         build(name)
     except Exception as e:  # noqa: BLE001

@@ -1,6 +1,6 @@
 """GPU time of paged_decode per launch-parameter variant (CUDA-graph replay: no launch overhead).
 
-    python3 tools/sweep_paged.py [--default | --few | --splits | --parts | --int8-dot | --stages | --prefetch]
+    python3 tools/sweep_paged.py [--default | --few | --splits | --parts | --stages | --prefetch]
 
 For each (warps, stages, tile bytes) variant and each format: B=1 at 32K and B=32 at 8K
 context (Hkv 8, Hq 32, D 128, scattered 16-token pages), 20 calls captured in one graph and
@@ -69,8 +69,6 @@ def main() -> None:
         return sweep_splits(pools, sms)
     if "--parts" in sys.argv:
         return sweep_parts(pools, sms)
-    if "--int8-dot" in sys.argv:
-        return sweep_int8_dot(pools, sms)
     if "--stages" in sys.argv:
         return sweep_stages(pools, sms)
     if "--prefetch" in sys.argv:
@@ -102,20 +100,6 @@ def sweep_parts(pools: dict, sms: int) -> None:
                for batch, ctx in CASES]
         print(f"parts {parts}:\n   " + "\n   ".join(row), flush=True)
     pa.PARTS_DECODE = base
-
-
-def sweep_int8_dot(pools: dict, sms: int) -> None:
-    """--int8-dot: int8 K tiles converted to fp16 for the products vs taken to int8 tensor-core
-    products as loaded (paged_attention.INT8_DOT), at one and two stages and 64- / 128-token tiles
-    (offline sm_90: 128-token tiles take 8.1 loop instructions a token for int8 against 9.7, at 145
-    registers; k8v4 7.7 against 9.8 at 198), beside bf16."""
-    base = pa.INT8_DOT, pa.DECODE_STAGES, pa.TILE_BYTES
-    print("bf16:\n   " + "\n   ".join(case_row("bf16", pools["bf16"], b, c, sms) for b, c in CASES), flush=True)
-    for on, st, tile in itertools.product((False, True), (1, 2), (16384, 32768)):
-        pa.INT8_DOT, pa.DECODE_STAGES, pa.TILE_BYTES = on, {"int8": st, "k8v4": st}, tile
-        row = [case_row(name, pools[name], batch, ctx, sms) for name in ("int8", "k8v4") for batch, ctx in CASES]
-        print(f"INT8_DOT {on} stages {st} tile {tile}:\n   " + "\n   ".join(row), flush=True)
-    pa.INT8_DOT, pa.DECODE_STAGES, pa.TILE_BYTES = base
 
 
 def sweep_stages(pools: dict, sms: int) -> None:

@@ -113,15 +113,6 @@ FOLD_MAX_SPLITS = 64
 # B1 4K 11.4 -> 10.8. The same split of int8 K tiles (q split once) and of int4 tiles (eight nibble
 # sets) measured slower (int4 V: 57.4 -> 86.7 us for k8v4 at 32K) and is not built.
 PARTS_DECODE = True
-# int8 K tiles of the split kernel as int8 tensor-core products of the codes (`int8_dots`): q in two
-# int8 levels a row, q ~ (a + b / 128) * scale (within scale / 256: finer at a row's largest value
-# than the fp16 q it replaces), so the codes reach the products as loaded, with no conversion to
-# fp16; the two int32 products are summed in fp32. Offline sm_90 build (tools/sass_decode.py
-# --int8-dot, 64-token tiles), the page loop's instructions: int8 KV 747 -> 622 (124 -> 95
-# registers), k8v4 745 -> 624. The same for int8 V tiles (the probabilities times the row scales in
-# two levels) took int8 to 855 (the V operand is transposed through shared memory, and each tile's
-# probabilities are requantized): not built. UNTIMED on a GPU: off.
-INT8_DOT = False
 # Pipeline stages of the split kernel per KV format where the default is not the fastest: H100,
 # B = 1, us a call at 32K / 4K (tools/sweep_paged.py --stages): k8v4 (int8 K, int4 V) 2 stages
 # 58.4 / 11.9, 1 stage 47.6 / 12.1; int8 and int4 pages were fastest at the default 2.
@@ -265,22 +256,6 @@ if HAVE_TRITON:
                 _half_f16(hi, True) - 1152.0, rs)
 
     @triton.jit
-    def _int8_levels(x):
-        """x [R, C] fp32 -> (a, b int8 [R, C], scale [R] fp32): x ~ (a + b / 128) * scale, row by row
-        (|a| <= 127, |b| <= 64; the error at most scale / 256; an all-zero row has scale 1)."""
-        amax = tl.max(tl.abs(x), axis=1)
-        sc = tl.where(amax > 0.0, amax / 127.0, 1.0)
-        y = x / sc[:, None]
-        a = tl.floor(y + 0.5)
-        return a.to(tl.int8), tl.floor((y - a) * 128.0 + 0.5).to(tl.int8), sc
-
-    @triton.jit
-    def _codes8(data_ptr, scale_ptr, row, srow, valid, D: tl.constexpr):
-        """int8 rows [BLOCK_N] as stored: codes [BLOCK_N, D] int8 and the row scale [BLOCK_N] fp32."""
-        x = tl.load(data_ptr + row[:, None] * D + tl.arange(0, D)[None, :], mask=valid[:, None], other=0)
-        return x, tl.load(scale_ptr + srow, mask=valid, other=0.0).to(tl.float32)
-
-    @triton.jit
     def _kv_rows(page, h, in_page, ad_k, ad_ks, ad_v, ad_vs, Hkv, S: tl.constexpr, ALT: tl.constexpr):
         """Rows of the K data, K scale, V data and V scale tensors of the tokens at page ids `page`
         (ALT: a negative id is page -1 - id of the alternate source, ad_* rows from the pool's)."""
@@ -397,8 +372,7 @@ if HAVE_TRITON:
                       SINGLE: tl.constexpr, DOT_PREC: tl.constexpr, Q_SMOOTH: tl.constexpr,
                       Q_ROTATE: tl.constexpr, INV_SQRT_D: tl.constexpr, SELECTED: tl.constexpr,
                       SEL_VALID: tl.constexpr, ALT: tl.constexpr, V_PARTS: tl.constexpr = 1,
-                      PREFETCH_IDS: tl.constexpr = False, K_DOT8: tl.constexpr = False,
-                      PDL: tl.constexpr = False):
+                      PREFETCH_IDS: tl.constexpr = False, PDL: tl.constexpr = False):
         """One (sequence b, kv head h, split sp): softmax partial of the G query heads of h.
 
         SELECTED (retrieval_attention.paged_decode_selected): row b's kv head h reads its own
@@ -413,8 +387,6 @@ if HAVE_TRITON:
         word's four bytes (`_int8_parts`), one tl.dot and one accumulator a set, joined after the loop.
         PREFETCH_IDS (formats run with one pipeline stage, `decode_stages`): each iteration loads the
         next tile's page ids before its own tile's codes, so the codes' loads never wait on an id load.
-        K_DOT8 (int8 K, 16-bit q; `int8_dots`): the K code tile goes to int8 tensor-core products as
-        loaded, against q in two int8 levels (`_int8_levels`, once a program).
         PDL: launched with programmatic dependent launch (kernels/pdl.py).
         """
         wait_before_reads(PDL)
@@ -462,8 +434,6 @@ if HAVE_TRITON:
 
         if V_PARTS == 4:
             acc0, acc1, acc2, acc3 = _cols4(acc, G_PAD, D)
-        if K_DOT8:
-            qa, qb, q_sc = _int8_levels(q.to(tl.float32))
         offs = tl.arange(0, BLOCK_N)
         in_page = offs % S
         if PREFETCH_IDS:
@@ -478,17 +448,10 @@ if HAVE_TRITON:
                 page, valid = _tile_pages(bt_ptr, idx_ptr, ok_ptr, b * stride_bt, e0, p0, p_hi, seq_len, t_lo, offs,
                                           S, SELECTED, SEL_VALID, HAS_SINK)
             k_row, ks_row, v_row, vs_row = _kv_rows(page, h, in_page, ad_k, ad_ks, ad_v, ad_vs, Hkv, S, ALT)
-            if K_DOT8:
-                kc, ks = _codes8(k_ptr, ks_ptr, k_row, ks_row, valid, D)
-            else:
-                k, ks = _tile(k_ptr, ks_ptr, k_row, ks_row, valid, K_MODE, D, K_GROUP, BLOCK_N, BIAS, half)
+            k, ks = _tile(k_ptr, ks_ptr, k_row, ks_row, valid, K_MODE, D, K_GROUP, BLOCK_N, BIAS, half)
             if V_PARTS == 1:  # (V_PARTS 4: the sets are loaded at the P @ V product below)
                 v, vs = _tile(v_ptr, vs_ptr, v_row, vs_row, valid, V_MODE, D, V_GROUP, BLOCK_N, BIAS, half)
-            if K_DOT8:  # the codes' products with q's two levels, times q's row scale (ks below)
-                kt = tl.trans(kc)
-                s = (tl.dot(qa, kt, out_dtype=tl.int32).to(tl.float32)
-                     + tl.dot(qb, kt, out_dtype=tl.int32).to(tl.float32) * (1.0 / 128.0)) * q_sc[:, None]
-            elif K_MODE == MODE_PLAIN or q.dtype == tl.float32:
+            if K_MODE == MODE_PLAIN or q.dtype == tl.float32:
                 s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PREC)  # [G_PAD, BLOCK_N]
             else:  # fp16 code tiles: the dot in fp16 (q cast once), no conversion of the tile
                 s = tl.dot(q.to(tl.float16), tl.trans(k), input_precision=DOT_PREC)
@@ -609,16 +572,9 @@ def split_constants(fmt: KVFormat, head_dim: int, page_size: int, gqa: int, dtyp
                     INV_SQRT_D=inv_sqrt_f32(head_dim))
     return dict(S=page_size, D=head_dim, G_PAD=max(MIN_DOT_ROWS, _pow2(gqa)), PAGES=pages,
                 HAS_SINK=has_sink, SINGLE=single, SELECTED=selected, SEL_VALID=sel_valid, ALT=alt, **fold,
-                V_PARTS=code_parts(fmt.v_codec, head_dim, dtype), K_DOT8=int8_dots(fmt.k_codec, head_dim, dtype),
+                V_PARTS=code_parts(fmt.v_codec, head_dim, dtype),
                 PREFETCH_IDS=PREFETCH_AT_ONE_STAGE and decode_stages(fmt) == 1,
                 **_codec_constants(fmt, head_dim, dtype))
-
-
-def int8_dots(codec: Codec, head_dim: int, dtype: torch.dtype) -> bool:
-    """Whether the split kernel takes K tiles in this codec to int8 tensor-core products as loaded
-    (INT8_DOT: int8 codes, a 16-bit q, head_dim a power of two >= 32, an int8 product's depth)."""
-    return INT8_DOT and isinstance(codec, Int8Codec) and dtype != torch.float32 and _is_pow2(head_dim) \
-        and head_dim >= 32
 
 
 def code_parts(codec: Codec, head_dim: int, dtype: torch.dtype) -> int:

@@ -60,24 +60,6 @@ def test_kernel_matches_reference_cuda(name: str, gqa: int, head_dim: int) -> No
         cases.check_case(pa, case, splits, use_sink=case.pool.fmt.quantized)
 
 
-@pytest.mark.parametrize("gqa", [1, 4, 8])
-@pytest.mark.parametrize("name", ["int8", "k8v4"])
-def test_int8_key_products_match_reference_cuda(name: str, gqa: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    """INT8_DOT (int8 K tiles to int8 tensor-core products, q in two int8 levels) == the reference,
-    head_dim 64 and 128, in place and over pinned host pages."""
-    from kvtier.kernels import paged_attention as pa
-    monkeypatch.setattr(pa, "INT8_DOT", True)
-    dtype = cases.compute_dtype(name, torch.bfloat16)
-    for head_dim in (64, 128):
-        case = cases.make_case(name, KV_HEADS, gqa, PS, head_dim, LENS, SINKS, dtype, "cuda", seed=gqa * 10 + head_dim)
-        assert pa.int8_dots(case.pool.fmt.k_codec, head_dim, dtype)
-        auto = pa.choose_num_splits(len(LENS), KV_HEADS, max(LENS), PS, _num_sms())
-        for splits in sorted({auto, *FORCED_SPLITS}):
-            cases.check_case(pa, case, splits, use_sink=True)
-        case, alt = cases.with_alt_pages(case, seed=79, alt_device="pinned")
-        cases.check_alt_case(pa, case, alt, 7, use_sink=True)
-
-
 @pytest.mark.parametrize("where", ["pinned", "cuda"])
 @pytest.mark.parametrize("name", ["bf16", "fp32", "int8", "k8v4", "int4"])
 def test_alt_pages_match_reference_cuda(name: str, where: str) -> None:

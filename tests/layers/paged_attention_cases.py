@@ -260,39 +260,7 @@ def main() -> None:
                 check_native_fold(pa, case, splits)
             except AssertionError as e:
                 failures.append(f"{name} folded gqa={gqa} D={hd} splits={splits}: {e}")
-    failures += check_int8_dot(pa)
     print("\n".join(failures) if failures else "ALL OK")
-
-
-# INT8_DOT (int8 K tiles to int8 tensor-core products): 16-bit q, head_dim >= 32
-INT8_DOT_CASES = [("int8", 4, 8, 32, [19, 0, 64], [True, False, True], torch.float16),
-                  ("k8v4", 2, 4, 64, [37, 3], [True, False], torch.bfloat16),
-                  ("int8", 2, 4, 64, [23, 9], [True, False], torch.bfloat16)]
-
-
-def check_int8_dot(pa: ModuleType) -> list[str]:
-    """INT8_DOT's kernel == the reference: whole sequences, the folded stored domain, alternate
-    (host) pages, and retrieval's per-kv-head lists over both tiers."""
-    import kvtier.kernels.retrieval_attention as ra
-    failures = []
-    pa.INT8_DOT = True
-    try:
-        for i, (name, gqa, ps, hd, lens, sinks, qdt) in enumerate(INT8_DOT_CASES):
-            case = make_case(name, 1 if gqa == 4 else 2, gqa, ps, hd, lens, sinks, qdt, "cpu", seed=500 + i)
-            assert pa.int8_dots(case.pool.fmt.k_codec, hd, qdt), "vacuous: INT8_DOT not taken"
-            try:
-                for splits, use_sink in INTERP_RUNS:
-                    check_case(pa, case, splits, use_sink)
-                check_native_fold(pa, case, 3)
-                case, alt = with_alt_pages(case, seed=600 + i)
-                check_alt_case(pa, case, alt, 3, True)
-                check_selected(ra, case, make_selection(case, 6, seed=700 + i), 2, True, alt=alt)
-            except AssertionError as e:
-                failures.append(f"{name} INT8_DOT gqa={gqa} D={hd}: {e}")
-    finally:
-        pa.INT8_DOT = False
-    return failures
-
 
 
 # ---------------------------------------------------------------------------------------------

@@ -90,23 +90,6 @@ def test_split_kernel_with_folded_rotation_compiles(name: str) -> None:
              dict(D=128, CHUNK=pa.MERGE_CHUNK, ROTATE=True, INV_SQRT_D=INV_SQRT_128))
 
 
-@pytest.mark.parametrize("selected", [False, True])
-@pytest.mark.parametrize("name", ["int8", "k8v4"])
-def test_split_kernel_with_int8_key_products_compiles(name: str, selected: bool,
-                                                      monkeypatch: pytest.MonkeyPatch) -> None:
-    """paged_attention.INT8_DOT's split kernel (int8 K codes to int8 tensor-core products), whole
-    sequences and retrieval's lists over both tiers."""
-    pytest.importorskip("triton")
-    import kvtier.kernels.paged_attention as pa
-    monkeypatch.setattr(pa, "INT8_DOT", True)
-    fmt = make_format(name)
-    const = pa.split_constants(fmt, 128, 16, 4, torch.bfloat16, True, False, 64, selected=selected,
-                               sel_valid=selected, alt=selected)
-    assert const["K_DOT8"]
-    _compile(pa._split_kernel, _split_ptrs(_pages(name)), const, floats=("qk_scale",), warps=pa.NUM_WARPS,
-             stages=pa.decode_stages(fmt))
-
-
 @pytest.mark.parametrize("block", [1, 16])
 @pytest.mark.parametrize("name", ["int8", "k8v4", "bf16"])
 def test_store_kernels_compile(name: str, block: int) -> None:
