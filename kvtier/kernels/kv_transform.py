@@ -254,12 +254,17 @@ def _shape_args(t: int, d: int) -> tuple[int, dict]:
 
 
 def transform_rows(x: torch.Tensor, rotate: bool, channel_scale: torch.Tensor | None = None,
-                   out_dtype: torch.dtype | None = None) -> torch.Tensor:
+                   out_dtype: torch.dtype | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """x [T, H, D] -> R (x * channel_scale[h // G]) (PagePool.native_q) or R x (native_out) in
     one launch. channel_scale: [Hkv, D] with H = G * Hkv, or None; R: formats.hadamard(D), applied
-    as kernels/hadamard.py's transform."""
+    as kernels/hadamard.py's transform. out: a [T, H, D] tensor (unit steps along D) written
+    instead of a new one; x itself is allowed (each program reads its rows whole before writing
+    them)."""
     t, h, d = x.shape
-    out = torch.empty((t, h, d), dtype=out_dtype or x.dtype, device=x.device)
+    if out is None:
+        out = torch.empty((t, h, d), dtype=out_dtype or x.dtype, device=x.device)
+    elif out.shape != x.shape or out.stride(-1) != 1:
+        raise ValueError(f"transform_rows: out must be {tuple(x.shape)} with unit steps along D")
     if t == 0:
         return out
     if x.stride(-1) != 1:

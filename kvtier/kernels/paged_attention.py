@@ -811,7 +811,7 @@ def launch_decode(q: torch.Tensor, st: dict[str, torch.Tensor], fmt: KVFormat, t
                                  num_warps=NUM_WARPS, **launch)
     if rotate_out and not merge_rotates:  # one split (it wrote the output itself) or long splits
         from kvtier.kernels.kv_transform import transform_rows
-        out.copy_(transform_rows(out, True))
+        transform_rows(out, True, out=out)  # in place (was a new tensor and a copy: one launch more a layer)
     return out
 
 

@@ -201,6 +201,9 @@ def check_fused_store(kt: ModuleType, name: str, heads: int, page_size: int, hea
     have_o = kt.transform_rows(q.to(dev), True).cpu()
     assert torch.allclose(want_o.float(), have_o.float(), rtol=2e-2 if dtype != torch.float32 else 1e-4,
                           atol=1e-3), f"{name}: native_out kernel differs"
+    in_place = q.to(dev)  # out= the input itself: each program reads its rows whole first
+    kt.transform_rows(in_place, True, out=in_place)
+    assert torch.equal(in_place.cpu(), have_o), f"{name}: native_out in place differs"
 
 
 INTERP_CASES = [(name, hd, ps) for name in QUANT_FORMATS for hd, ps in ((16, 4), (24, 2))]
