@@ -6,10 +6,8 @@
 #   tools/device_run.sh bench      decode/prefill benches (bf16, int8, k8v4 KV) + 80K prefix TTFT
 #   tools/device_run.sh runtime    runtime/kernel GPU tests + the decode grid bench (bf16, 1K, batch 1/32)
 #   tools/device_run.sh grid       the full decode grid (bf16/int8/k8v4 KV, 1K/32K, batch 1/32) + 8K prefill
-#   tools/device_run.sh untimed    the off-by-default kernel paths (INT8_DOT, TOPK_FILTER): their GPU
-#                                  tests and sweeps (~450 s)
-#   tools/device_run.sh untimed32k issue 10's 32K rows with INT8_DOT off / on (~250 s)
-#   tools/device_run.sh untimed256 issue 12's 256K row with TOPK_FILTER off / on (~550 s)
+#   tools/device_run.sh filter     the threshold top-k's and the decode kernels' GPU tests, the top-k
+#                                  sweeps, issue 12's 4K / 256K rows, issue 10's 32K rows (~520 s)
 #   tools/device_run.sh            both
 set -u
 export PYTHONUNBUFFERED=1
@@ -36,25 +34,16 @@ if [ "$what" = grid ]; then
     --kv-dtypes bf16,int8,k8v4 --gen-tokens 48 --out "$B"
   T=150 run python3 -m kvtier.cli bench --shape qwen3-8b --cached-tokens 81920 --new-tokens 50 --no-hf --out "$B"
 fi
-if [ "$what" = untimed ]; then
-  T=200 run python3 -m pytest -q -p no:cacheprovider -n 8 tests/gpu/test_retrieval_kernel.py \
-    tests/gpu/test_paged_attention.py tests/gpu/test_runtime.py -k "topk or int8_key or departing or synchron"
-  (cd tools && T=100 run python3 sweep_topk.py --filter)
+if [ "$what" = filter ]; then
+  T=200 run python3 -m pytest -q -p no:cacheprovider -n 8 tests/gpu/test_retrieval_kernel.py tests/gpu/test_hot_pages.py \
+    tests/gpu/test_kv_kernels.py
+  T=260 run python3 -m kvtier.cli bench \
+    --shape qwen3-8b-int4 --gpu-memory-limit 12GiB --contexts 4096,262144 --batches 1 --max-batch 2 \
+    --kv-dtypes k8v4 --kvmem-budget 2048 --kvmem-selector hybrid-mid --no-hf --gen-tokens 64 --out "$B"
   (cd tools && T=60 run python3 sweep_select.py)
-  (cd tools && T=200 run python3 sweep_paged.py --int8-dot)
-fi
-if [ "$what" = untimed32k ]; then
-  for f in False True; do
-    ATTRS="kvtier.kernels.paged_attention:INT8_DOT=$f" T=150 run python3 tools/with_attrs.py cli bench \
-      --shape qwen3-8b --contexts 32768 --batches 1 --kv-dtypes bf16,int8,k8v4 --gen-tokens 48 --no-hf --out "$B"
-  done
-fi
-if [ "$what" = untimed256 ]; then
-  for f in False True; do
-    ATTRS="kvtier.kernels.retrieval_attention:TOPK_FILTER=$f" T=280 run python3 tools/with_attrs.py cli bench \
-      --shape qwen3-8b-int4 --gpu-memory-limit 12GiB --contexts 4096,262144 --batches 1 --max-batch 2 \
-      --kv-dtypes k8v4 --kvmem-budget 2048 --kvmem-selector hybrid-mid --no-hf --gen-tokens 64 --out "$B"
-  done
+  (cd tools && T=80 run python3 sweep_topk.py --filter)
+  T=150 run python3 -m kvtier.cli bench --shape qwen3-8b --contexts 32768 --batches 1 --kv-dtypes bf16,int8,k8v4 \
+    --gen-tokens 48 --no-hf --out "$B"
 fi
 if [ "$what" = tests ] || [ "$what" = all ]; then
   T=240 run python3 -m pytest -q -p no:cacheprovider -x -rs tests/gpu

@@ -32,20 +32,22 @@ build(f"chunked: merge of {np_} keys", ra._topk_merge_kernel,
       {"key_ptr": "*i64", "live_ptr": "*i32", "out_ptr": "*i64", "exc_ptr": "*fp32"},
       dict(KP=kp, NP=np_, GROUP=ra.TOPK_MERGE_GROUP, EXCLUDE=True),
       min(16, max(4, np_ // ra.TOPK_MERGE_KEYS_PER_WARP)))
-sub = max(ra.TOPK_FILTER_MIN_SUB, triton.next_power_of_2(triton.cdiv(C, ra.TOPK_FILTER_MAXIMA)))
-mp = triton.next_power_of_2(triton.cdiv(C, sub))
+sub = ra.TOPK_FILTER_SUB
 fch = max(ra.TOPK_FILTER_CHUNK, sub)
-cap = max(ra.TOPK_FILTER_CAP, ra.TOPK_FILTER_SMALL, kp)
-build(f"filtered: maxima of {sub} columns", ra._topk_max_kernel,
-      {"s_ptr": "*fp32", "live_ptr": "*i32", "max_ptr": "*i32", "cnt_ptr": "*i32"},
-      dict(CH=fch, SUB=sub, HAS_LIVE=True), 4)
-build(f"filtered: threshold (sort of {mp} maxima) + gather", ra._topk_filter_kernel,
-      {"s_ptr": "*fp32", "live_ptr": "*i32", "max_ptr": "*i32", "cnt_ptr": "*i32", "cand_ptr": "*i64"},
-      dict(CH=fch, MP=mp, KTP=min(kp, mp), CAP=cap, HAS_LIVE=True), ra.TOPK_FILTER_WARPS)
-for small in (max(ra.TOPK_FILTER_SMALL, kp), cap):  # the one-sort branch alone: SMALL = CAP
-    build(f"filtered: pick, sort of {small}" + (" (all three branches)" if small != cap else " (SMALL = CAP)"),
+small = max(ra.TOPK_FILTER_SMALL, kp)
+cap = max(ra.TOPK_FILTER_CAP or kp * sub, small)
+mid = min(max(ra.TOPK_FILTER_MID, small), cap)
+tp = max(ra.TOPK_FILTER_TILE, kp)
+build(f"filtered: maxima of {sub} columns + the last program's threshold ({tp} maxima a step)", ra._topk_max_kernel,
+      {"s_ptr": "*fp32", "live_ptr": "*i32", "max_ptr": "*i32", "state_ptr": "*i32", "thr_ptr": "*i32"},
+      dict(CH=fch, SUB=sub, TP=tp, KTP=kp, HAS_LIVE=True), ra.TOPK_FILTER_WARPS)
+build("filtered: gather", ra._topk_filter_kernel,
+      {"s_ptr": "*fp32", "live_ptr": "*i32", "thr_ptr": "*i32", "cnt_ptr": "*i32", "cand_ptr": "*i64"},
+      dict(CH=fch, CAP=cap, HAS_LIVE=True), ra.TOPK_FILTER_WARPS)
+for s_, m_ in ((small, mid), (cap, cap)):  # the one-sort branch alone: SMALL = MID = CAP
+    build(f"filtered: pick, sort of {s_}" + (" (all four branches)" if s_ != cap else " (SMALL = CAP)"),
           ra._topk_pick_kernel,
           {"s_ptr": "*fp32", "live_ptr": "*i32", "cnt_ptr": "*i32", "cand_ptr": "*i64", "out_ptr": "*i64",
            "exc_ptr": "*fp32"},
-          dict(KP=kp, SMALL=small, CAP=cap, TILE=max(ra.TOPK_FILTER_CHUNK, kp), HAS_LIVE=True, EXCLUDE=True),
+          dict(KP=kp, SMALL=s_, MID=m_, CAP=cap, TILE=max(ra.TOPK_FILTER_CHUNK, kp), HAS_LIVE=True, EXCLUDE=True),
           ra.TOPK_FILTER_WARPS)

@@ -179,22 +179,30 @@ TOPK_MERGE_KEYS_PER_WARP = 128  # the merge program's warps: its keys / this, 4 
 # chunks it is one sort of all of them, as before.
 TOPK_MERGE_GROUP = 4
 # topk_columns by a threshold instead of sorting every chunk (`_topk_filtered`), for k up to
-# TOPK_FILTER_MAX_K: the best score of each sub-block of columns (TOPK_FILTER_MAXIMA sub-blocks a row
-# at most, TOPK_FILTER_MIN_SUB columns each at least), the k-th best of those maxima as the threshold
-# (32-bit: a sort of 256 int32 where the chunked merge sorts 2,048 int64), the keys at or above it
-# gathered (TOPK_FILTER_CAP at most; else the pick pass walks the row), one sort of them
-# (TOPK_FILTER_SMALL keys where they fit). Offline sm_90 builds at a 256K table's 16,386 columns, k 56
-# (tools/sass_topk.py), SASS a program: chunk sort 1,488 + merge 2,184 against maxima 232 +
-# threshold and gather 888 + the pick's small sort. UNTIMED on a GPU (issue 12's 256K step: the
-# chunked top-k and its merge, 4 launches a layer, were ~20 us each on an H100).
-TOPK_FILTER = False
+# TOPK_FILTER_MAX_K: the best score of each TOPK_FILTER_SUB columns; the last chunk program of a
+# row to finish takes the k-th best of the row's live maxima (TOPK_FILTER_TILE at a time) as its
+# threshold T; the keys scoring >= T gathered (at most k x SUB but for ties at T: the buffer holds
+# that many unless TOPK_FILTER_CAP is set; past it the pick pass walks the row) and sorted, in a
+# sort of TOPK_FILTER_SMALL or TOPK_FILTER_MID keys where they fit. The first version took the
+# sub-block width from the table's width (256 maxima a row): a 64K context in a 256K table had
+# 64 live maxima for 55 picks, so nearly every live column passed T and the pick walked the row
+# (H100, one layer's hybrid-mid selection, tools/sweep_select.py: 106 us against the chunked 33;
+# scores rising along the row, tools/sweep_topk.py: 238 against 23). Its 256K step gain was
+# already large (H100, 8B-int4, 12 GiB, k8v4, hybrid-mid: 125.0 -> 147.4 tok/s).
+TOPK_FILTER = True
 TOPK_FILTER_MAX_K = 128
-TOPK_FILTER_MAXIMA = 256
-TOPK_FILTER_MIN_SUB = 16
+TOPK_FILTER_SUB = 16
 TOPK_FILTER_CHUNK = 1024
-TOPK_FILTER_CAP = 1024
+TOPK_FILTER_TILE = 512
+TOPK_FILTER_CAP: int | None = None  # None: k x SUB (tests set a small one to reach the walk)
 TOPK_FILTER_SMALL = 128
+TOPK_FILTER_MID = 512
 TOPK_FILTER_WARPS = 4
+# Row-heads whose threshold tickets and candidate counts live in one buffer a device, zeroed once
+# and kept across calls (no memset a call: each call's last maxima program sets its tickets back
+# to 0 and zeroes the counts before the gather); more row-heads take a new zeroed one.
+TOPK_FILTER_STATE = 4096
+_filter_state: dict[torch.device, torch.Tensor] = {}
 
 if HAVE_TRITON:
     import triton
@@ -418,35 +426,44 @@ if HAVE_TRITON:
         s = _filter_scores(s_ptr, rh, c, n, C)
         return tl.where(s > float("-inf"), _column_keys(s, c), NO_KEY)
 
-    @triton.jit(do_not_specialize=["H", "C", "M"])
-    def _topk_max_kernel(s_ptr, live_ptr, max_ptr, cnt_ptr, H, C, M, CH: tl.constexpr, SUB: tl.constexpr,
-                         HAS_LIVE: tl.constexpr, PDL: tl.constexpr = False):
+    @triton.jit(do_not_specialize=["H", "C", "M", "KT", "NCH", "RH"])
+    def _topk_max_kernel(s_ptr, live_ptr, max_ptr, state_ptr, thr_ptr, H, C, M, KT, NCH, RH, CH: tl.constexpr,
+                         SUB: tl.constexpr, TP: tl.constexpr, KTP: tl.constexpr, HAS_LIVE: tl.constexpr,
+                         PDL: tl.constexpr = False):
         """The filtered top-k's first pass, one (row-head rh, chunk of CH columns): the best score
-        of each SUB columns, as `_score_bits`, -> max_ptr[rh, :M] int32 (NO_BITS where none is above
-        -inf); chunk 0 zeroes the row-head's candidate count for the second pass."""
+        of each SUB live columns, as `_score_bits`, -> max_ptr[rh, :M] int32 (NO_BITS where none is
+        above -inf). Each program then takes a ticket (state_ptr[rh]); the last of the row-head's
+        NCH takes the KT-th best of its live maxima (NO_BITS where fewer than KT are above -inf),
+        TP at a time into a running best, -> thr_ptr[rh], and sets the ticket and the candidate
+        count (state_ptr[RH + rh]) back to 0 for the second pass and the next call."""
         wait_before_reads(PDL)
         rh = tl.program_id(0)
         ch = tl.program_id(1)
         n = _live_columns(live_ptr, rh, H, C, HAS_LIVE)
-        if ch == 0:
-            tl.store(cnt_ptr + rh, 0)
-        j = ch * (CH // SUB) + tl.arange(0, CH // SUB)
-        dst = max_ptr + rh.to(tl.int64) * M + j
-        if ch * CH >= n:
-            tl.store(dst, tl.full([CH // SUB], NO_BITS, tl.int32), mask=j < M)
-            return
-        s = _filter_scores(s_ptr, rh, ch * CH + tl.arange(0, CH), n, C)
-        bits = tl.where(s > float("-inf"), _score_bits(s), NO_BITS)
-        tl.store(dst, tl.max(tl.reshape(bits, (CH // SUB, SUB)), axis=1), mask=j < M)
+        row = max_ptr + rh.to(tl.int64) * M
+        if ch * CH < n:
+            s = _filter_scores(s_ptr, rh, ch * CH + tl.arange(0, CH), n, C)
+            bits = tl.where(s > float("-inf"), _score_bits(s), NO_BITS)
+            j = ch * (CH // SUB) + tl.arange(0, CH // SUB)
+            tl.store(row + j, tl.max(tl.reshape(bits, (CH // SUB, SUB)), axis=1), mask=j < M)
+        tl.debug_barrier()  # every thread's maxima stored before the ticket releases them
+        if tl.atomic_add(state_ptr + rh, 1, sem="acq_rel") == NCH - 1:
+            nm = tl.minimum((n + SUB - 1) // SUB, M)
+            top = tl.full([KTP], NO_BITS, tl.int32)
+            for m0 in range(0, nm, TP):
+                i = m0 + tl.arange(0, TP)
+                mx = tl.load(row + i, mask=i < nm, other=NO_BITS, cache_modifier=".cg")
+                top = tl.topk(tl.reshape(tl.join(top, tl.topk(mx, KTP)), (2 * KTP,)), KTP)
+            tl.store(thr_ptr + rh, tl.max(tl.where(tl.arange(0, KTP) == KT - 1, top, NO_BITS), axis=0))
+            tl.store(state_ptr + rh, 0)
+            tl.store(state_ptr + RH + rh, 0)
 
-    @triton.jit(do_not_specialize=["H", "C", "M", "KT"])
-    def _topk_filter_kernel(s_ptr, live_ptr, max_ptr, cnt_ptr, cand_ptr, H, C, M, KT, CH: tl.constexpr,
-                            MP: tl.constexpr, KTP: tl.constexpr, CAP: tl.constexpr, HAS_LIVE: tl.constexpr,
-                            PDL: tl.constexpr = False):
-        """The second pass, one (row-head rh, chunk of CH columns): T = the KT-th best of the
-        row-head's M maxima (NO_BITS where fewer than KT are above -inf); the keys of the chunk's
-        scores >= T (and above -inf) appended to the row-head's candidates cand_ptr[rh, :CAP] (the
-        count at cnt_ptr[rh] goes on past CAP: the pick pass then reads the row itself). KT
+    @triton.jit(do_not_specialize=["H", "C"])
+    def _topk_filter_kernel(s_ptr, live_ptr, thr_ptr, cnt_ptr, cand_ptr, H, C, CH: tl.constexpr,
+                            CAP: tl.constexpr, HAS_LIVE: tl.constexpr, PDL: tl.constexpr = False):
+        """The second pass, one (row-head rh, chunk of CH columns): the keys of the chunk's scores
+        >= T = thr_ptr[rh] (and above -inf) appended to the row-head's candidates cand_ptr[rh, :CAP]
+        (the count at cnt_ptr[rh] goes on past CAP: the pick pass then reads the row itself). KT
         sub-blocks hold a score >= T, so the KT best scores are all >= T; at most KT x SUB are,
         but for ties at T."""
         wait_before_reads(PDL)
@@ -455,9 +472,7 @@ if HAVE_TRITON:
         n = _live_columns(live_ptr, rh, H, C, HAS_LIVE)
         if ch * CH >= n:
             return
-        i = tl.arange(0, MP)
-        mx = tl.load(max_ptr + rh.to(tl.int64) * M + i, mask=i < M, other=NO_BITS)
-        t = tl.max(tl.where(tl.arange(0, KTP) == KT - 1, tl.topk(mx, KTP), NO_BITS), axis=0)
+        t = tl.load(thr_ptr + rh)
         c = ch * CH + tl.arange(0, CH)
         s = _filter_scores(s_ptr, rh, c, n, C)
         keep = (s > float("-inf")) & (_score_bits(s) >= t)
@@ -466,24 +481,31 @@ if HAVE_TRITON:
         pos = tl.atomic_add(cnt_ptr + rh, tl.sum(k32, axis=0)) + tl.cumsum(k32, axis=0) - 1
         tl.store(cand_ptr + rh.to(tl.int64) * CAP + pos, key, mask=keep & (pos < CAP))
 
+    @triton.jit
+    def _sorted_candidates(base, m, N: tl.constexpr, KP: tl.constexpr):
+        """The KP best of the m (<= N) candidate keys at base."""
+        i = tl.arange(0, N)
+        return tl.topk(tl.load(base + i, mask=i < m, other=NO_KEY), KP)
+
     @triton.jit(do_not_specialize=["K", "H", "C", "OUT_STRIDE"])
     def _topk_pick_kernel(s_ptr, live_ptr, cnt_ptr, cand_ptr, out_ptr, exc_ptr, K, H, C, OUT_STRIDE,
-                          KP: tl.constexpr, SMALL: tl.constexpr, CAP: tl.constexpr, TILE: tl.constexpr,
-                          HAS_LIVE: tl.constexpr, EXCLUDE: tl.constexpr = False, PDL: tl.constexpr = False):
+                          KP: tl.constexpr, SMALL: tl.constexpr, MID: tl.constexpr, CAP: tl.constexpr,
+                          TILE: tl.constexpr, HAS_LIVE: tl.constexpr, EXCLUDE: tl.constexpr = False,
+                          PDL: tl.constexpr = False):
         """The last pass, one row-head: the K best of its candidates -> columns, best first, as
-        `_topk_merge_kernel` writes them (-1 for none; EXCLUDE alike). One sort of SMALL or CAP
-        keys; past CAP candidates (only where many sub-blocks' maxima crowd the threshold), the
+        `_topk_merge_kernel` writes them (-1 for none; EXCLUDE alike). One sort of SMALL, MID or
+        CAP keys; past CAP candidates (ties at the threshold, or a CAP set below K x SUB), the
         whole row a TILE at a time into a running best."""
         wait_before_reads(PDL)
         rh = tl.program_id(0)
         m = tl.load(cnt_ptr + rh)
         base = cand_ptr + rh.to(tl.int64) * CAP
         if m <= SMALL:
-            i1 = tl.arange(0, SMALL)
-            top = tl.topk(tl.load(base + i1, mask=i1 < m, other=NO_KEY), KP)
+            top = _sorted_candidates(base, m, SMALL, KP)
+        elif m <= MID:
+            top = _sorted_candidates(base, m, MID, KP)
         elif m <= CAP:
-            i2 = tl.arange(0, CAP)
-            top = tl.topk(tl.load(base + i2, mask=i2 < m, other=NO_KEY), KP)
+            top = _sorted_candidates(base, m, CAP, KP)
         else:
             n = _live_columns(live_ptr, rh, H, C, HAS_LIVE)
             top = tl.full([KP], NO_KEY, tl.int64)
@@ -668,30 +690,37 @@ def topk_columns(scores: torch.Tensor, k: int, live: torch.Tensor | None = None,
 def _topk_filtered(s: torch.Tensor, k: int, kp: int, lv: torch.Tensor, has_live: bool, out: torch.Tensor,
                    exclude: torch.Tensor | None) -> None:
     """topk_columns by a threshold (TOPK_FILTER), three launches: each TOPK_FILTER_CHUNK columns'
-    best score a sub-block (of `sub` columns: at most TOPK_FILTER_MAXIMA sub-blocks a row); the
-    keys of every score at least the k-th best sub-block maximum, appended to a candidate buffer;
-    one sort of the candidates (usually a few more than k) per row-head."""
+    best score a TOPK_FILTER_SUB columns, and the row's threshold (the k-th best of them) from its
+    last chunk program; the keys of every score at least the threshold, appended to a candidate
+    buffer; one sort of the candidates (usually a few more than k) per row-head."""
     r, h, c = s.shape
-    sub = max(TOPK_FILTER_MIN_SUB, triton.next_power_of_2(triton.cdiv(c, TOPK_FILTER_MAXIMA)))
+    rh = r * h
+    sub = TOPK_FILTER_SUB
     m = triton.cdiv(c, sub)
-    mp = max(2, triton.next_power_of_2(m))
     ch = max(TOPK_FILTER_CHUNK, sub)
     nch = triton.cdiv(c, ch)
-    cap = max(TOPK_FILTER_CAP, TOPK_FILTER_SMALL, kp)
+    small = max(TOPK_FILTER_SMALL, kp)
+    cap = max(TOPK_FILTER_CAP or kp * sub, small)
+    mid = min(max(TOPK_FILTER_MID, small), cap)
     dev = s.device
-    maxima = torch.empty((r * h, m), dtype=torch.int32, device=dev)
-    count = torch.empty(r * h, dtype=torch.int32, device=dev)
-    cand = torch.empty((r * h, cap), dtype=torch.int64, device=dev)
-    _topk_max_kernel[(r * h, nch)](s, lv, maxima, count, h, c, m, CH=ch, SUB=sub, HAS_LIVE=has_live,
-                                   num_warps=4, **pdl.launch_args(dev))
-    _topk_filter_kernel[(r * h, nch)](s, lv, maxima, count, cand, h, c, m, k, CH=ch, MP=mp, KTP=min(kp, mp),
-                                      CAP=cap, HAS_LIVE=has_live, num_warps=TOPK_FILTER_WARPS,
-                                      **pdl.launch_args(dev))
-    _topk_pick_kernel[(r * h,)](s, lv, count, cand, out, exclude if exclude is not None else s, k, h, c,
-                                out.stride(1), KP=kp, SMALL=max(TOPK_FILTER_SMALL, kp), CAP=cap,
-                                TILE=max(TOPK_FILTER_CHUNK, kp), HAS_LIVE=has_live,
-                                EXCLUDE=exclude is not None, num_warps=TOPK_FILTER_WARPS,
-                                **pdl.launch_args(dev))
+    state = _filter_state.get(dev)
+    if state is None and rh <= TOPK_FILTER_STATE:
+        state = _filter_state[dev] = torch.zeros(2 * TOPK_FILTER_STATE, dtype=torch.int32, device=dev)
+    if rh > TOPK_FILTER_STATE:
+        state = torch.zeros(2 * rh, dtype=torch.int32, device=dev)
+    tickets, count = state[:rh], state[state.numel() // 2:][:rh]
+    maxima = torch.empty((rh, m), dtype=torch.int32, device=dev)
+    thr = torch.empty(rh, dtype=torch.int32, device=dev)
+    cand = torch.empty((rh, cap), dtype=torch.int64, device=dev)
+    _topk_max_kernel[(rh, nch)](s, lv, maxima, tickets, thr, h, c, m, k, nch, state.numel() // 2, CH=ch, SUB=sub,
+                                TP=max(TOPK_FILTER_TILE, kp), KTP=kp, HAS_LIVE=has_live,
+                                num_warps=TOPK_FILTER_WARPS, **pdl.launch_args(dev))
+    _topk_filter_kernel[(rh, nch)](s, lv, thr, count, cand, h, c, CH=ch, CAP=cap, HAS_LIVE=has_live,
+                                   num_warps=TOPK_FILTER_WARPS, **pdl.launch_args(dev))
+    _topk_pick_kernel[(rh,)](s, lv, count, cand, out, exclude if exclude is not None else s, k, h, c,
+                             out.stride(1), KP=kp, SMALL=small, MID=mid, CAP=cap, TILE=max(TOPK_FILTER_CHUNK, kp),
+                             HAS_LIVE=has_live, EXCLUDE=exclude is not None, num_warps=TOPK_FILTER_WARPS,
+                             **pdl.launch_args(dev))
 
 
 def _topk_out(out: torch.Tensor | None, r: int, h: int, k: int, device: torch.device) -> torch.Tensor:

@@ -286,12 +286,13 @@ def check_topk(ra, r: int, h: int, c: int, k: int, seed: int, device: str = "cpu
         assert torch.equal(o, struck), f"{name}: exclude= struck other columns than the picks"
 
 
-# The filtered top-k's (chunk, least sub-block, sub-blocks a row, candidates, one-sort size): the
-# defaults; candidates past the buffer (the pick pass walks the row: 1,100 columns, 40 picks, fewer
-# sub-blocks than picks); more candidates than the small sort (37 of 64)
-FILTER_SETTINGS = [None, (16, 4, 64, 8, 4), (64, 16, 512, 64, 4)]
-FILTER_NAMES = ("TOPK_FILTER_CHUNK", "TOPK_FILTER_MIN_SUB", "TOPK_FILTER_MAXIMA", "TOPK_FILTER_CAP",
-                "TOPK_FILTER_SMALL")
+# The filtered top-k's (chunk, sub-block, maxima a threshold step, candidates, small sort, mid
+# sort): the defaults; candidates past the buffer (the pick pass walks the row: 1,100 columns,
+# 40 picks) and the threshold over several steps of maxima; the small, mid and whole-buffer sorts
+# at small sizes (more candidates than the small sort: 37 of 64)
+FILTER_SETTINGS = [None, (16, 4, 8, 8, 4, 4), (64, 16, 16, 512, 4, 32)]
+FILTER_NAMES = ("TOPK_FILTER_CHUNK", "TOPK_FILTER_SUB", "TOPK_FILTER_TILE", "TOPK_FILTER_CAP",
+                "TOPK_FILTER_SMALL", "TOPK_FILTER_MID")
 
 
 def check_topk_filtered(ra, device: str = "cpu", cases=None) -> list[str]:
