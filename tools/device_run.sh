@@ -35,13 +35,14 @@ if [ "$what" = grid ]; then
   T=150 run python3 -m kvtier.cli bench --shape qwen3-8b --cached-tokens 81920 --new-tokens 50 --no-hf --out "$B"
 fi
 if [ "$what" = filter ]; then
-  T=200 run python3 -m pytest -q -p no:cacheprovider -n 8 tests/gpu/test_retrieval_kernel.py tests/gpu/test_hot_pages.py \
-    tests/gpu/test_kv_kernels.py
+  T=170 run python3 -m pytest -q -p no:cacheprovider -n 8 tests/gpu/test_retrieval_kernel.py tests/gpu/test_hot_pages.py \
+    tests/gpu/test_host_tier.py tests/gpu/test_kv_kernels.py -k "topk or 8bit or wired or graph or engine or retrieval \
+    or kernels_match_reference"
+  (cd tools && T=50 run python3 sweep_select.py)
+  (cd tools && T=60 run python3 sweep_topk.py --filter)
   T=260 run python3 -m kvtier.cli bench \
     --shape qwen3-8b-int4 --gpu-memory-limit 12GiB --contexts 4096,262144 --batches 1 --max-batch 2 \
     --kv-dtypes k8v4 --kvmem-budget 2048 --kvmem-selector hybrid-mid --no-hf --gen-tokens 64 --out "$B"
-  (cd tools && T=60 run python3 sweep_select.py)
-  (cd tools && T=80 run python3 sweep_topk.py --filter)
   T=150 run python3 -m kvtier.cli bench --shape qwen3-8b --contexts 32768 --batches 1 --kv-dtypes bf16,int8,k8v4 \
     --gen-tokens 48 --no-hf --out "$B"
 fi
