@@ -188,7 +188,10 @@ TOPK_MERGE_GROUP = 4
 # 64 live maxima for 55 picks, so nearly every live column passed T and the pick walked the row
 # (H100, one layer's hybrid-mid selection, tools/sweep_select.py: 106 us against the chunked 33;
 # scores rising along the row, tools/sweep_topk.py: 238 against 23). Its 256K step gain was
-# already large (H100, 8B-int4, 12 GiB, k8v4, hybrid-mid: 125.0 -> 147.4 tok/s).
+# already large (H100, 8B-int4, 12 GiB, k8v4, hybrid-mid: 125.0 -> 147.4 tok/s). This version, the
+# same H100 type, us (sweep_select: chunked / first / this): 64K 32.8 / 106.3 / 35.3, 128K 48.4 /
+# 47.6 / 37.9, 256K 72.4 / 41.9 / 56.8; rising 23.0 / 238 / 17.9. Its one-program threshold (~10 us
+# at 16,386 columns: three 512-maxima steps) is what the first version's all-live rows did not pay.
 TOPK_FILTER = True
 TOPK_FILTER_MAX_K = 128
 TOPK_FILTER_SUB = 16
