@@ -8,8 +8,9 @@
 #   tools/device_run.sh grid       the full decode grid (bf16/int8/k8v4 KV, 1K/32K, batch 1/32) + 8K prefill
 #   tools/device_run.sh filter     the threshold top-k's and the decode kernels' GPU tests, the top-k
 #                                  sweeps, issue 12's 4K / 256K rows, issue 10's 32K rows (~520 s)
-#   tools/device_run.sh rows       issue 12's 4K / 256K rows (the default top-k, then the chunked one)
-#                                  and issue 10's 32K rows (~450 s)
+#   tools/device_run.sh rows       the selection sweep (chunked / ticket / coarse top-k), issue 12's
+#                                  4K / 256K rows with VARIANTS (default "True Coarse": the ticket and
+#                                  the coarse top-k; False: chunked), issue 10's 32K rows (~500 s)
 #   tools/device_run.sh            both
 set -u
 export PYTHONUNBUFFERED=1
@@ -49,13 +50,15 @@ if [ "$what" = filter ]; then
     --gen-tokens 48 --no-hf --out "$B"
 fi
 if [ "$what" = rows ]; then
-  for f in True False; do
-    ATTRS="kvtier.kernels.retrieval_attention:TOPK_FILTER=$f" T=200 run python3 tools/with_attrs.py cli bench \
+  (cd tools && T=60 run python3 sweep_select.py)
+  for f in ${VARIANTS:-True Coarse}; do  # True: the default (ticket) top-k; False: chunked; Coarse
+    a="TOPK_FILTER=$f"; [ $f = Coarse ] && a="TOPK_FILTER_COARSE=True"
+    ATTRS="kvtier.kernels.retrieval_attention:$a" T=200 run python3 tools/with_attrs.py cli bench \
       --shape qwen3-8b-int4 --gpu-memory-limit 12GiB --contexts 4096,262144 --batches 1 --max-batch 2 \
       --kv-dtypes k8v4 --kvmem-budget 2048 --kvmem-selector hybrid-mid --no-hf --gen-tokens 64 --out "$B"
-    [ $f = True ] && T=120 run python3 -m kvtier.cli bench --shape qwen3-8b --contexts 32768 --batches 1 \
-      --kv-dtypes bf16,int8,k8v4 --gen-tokens 48 --no-hf --out "$B"
   done
+  T=120 run python3 -m kvtier.cli bench --shape qwen3-8b --contexts 32768 --batches 1 \
+    --kv-dtypes bf16,int8,k8v4 --gen-tokens 48 --no-hf --out "$B"
 fi
 if [ "$what" = tests ] || [ "$what" = all ]; then
   T=240 run python3 -m pytest -q -p no:cacheprovider -x -rs tests/gpu

@@ -38,16 +38,24 @@ small = max(ra.TOPK_FILTER_SMALL, kp)
 cap = max(ra.TOPK_FILTER_CAP or kp * sub, small)
 mid = min(max(ra.TOPK_FILTER_MID, small), cap)
 tp = max(ra.TOPK_FILTER_TILE, kp)
-build(f"filtered: maxima of {sub} columns + the last program's threshold ({tp} maxima a step)", ra._topk_max_kernel,
-      {"s_ptr": "*fp32", "live_ptr": "*i32", "max_ptr": "*i32", "state_ptr": "*i32", "thr_ptr": "*i32"},
-      dict(CH=fch, SUB=sub, TP=tp, KTP=kp, HAS_LIVE=True), ra.TOPK_FILTER_WARPS)
-build("filtered: gather", ra._topk_filter_kernel,
-      {"s_ptr": "*fp32", "live_ptr": "*i32", "thr_ptr": "*i32", "cnt_ptr": "*i32", "cand_ptr": "*i64"},
-      dict(CH=fch, CAP=cap, HAS_LIVE=True), ra.TOPK_FILTER_WARPS)
-for s_, m_ in ((small, mid), (cap, cap)):  # the one-sort branch alone: SMALL = MID = CAP
-    build(f"filtered: pick, sort of {s_}" + (" (all four branches)" if s_ != cap else " (SMALL = CAP)"),
-          ra._topk_pick_kernel,
-          {"s_ptr": "*fp32", "live_ptr": "*i32", "cnt_ptr": "*i32", "cand_ptr": "*i64", "out_ptr": "*i64",
-           "exc_ptr": "*fp32"},
-          dict(KP=kp, SMALL=s_, MID=m_, CAP=cap, TILE=max(ra.TOPK_FILTER_CHUNK, kp), HAS_LIVE=True, EXCLUDE=True),
+m = triton.cdiv(C, sub)
+g = min(fch // sub, triton.next_power_of_2(triton.cdiv(m, ra.TOPK_FILTER_COARSE_MAXIMA)))
+gr = max(2, triton.next_power_of_2(triton.cdiv(C, sub * g)))
+for coarse in (False, True):
+    tag = "coarse" if coarse else "ticket"
+    build(f"filtered ({tag}): maxima of {sub} columns" + ("" if coarse else f" + the last program's threshold ({tp} a step)"),
+          ra._topk_max_kernel,
+          {"s_ptr": "*fp32", "live_ptr": "*i32", "max_ptr": "*i32", "state_ptr": "*i32", "thr_ptr": "*i32",
+           "cmax_ptr": "*i32"},
+          dict(CH=fch, SUB=sub, TP=tp, KTP=kp, HAS_LIVE=True, COARSE=coarse, G=g), ra.TOPK_FILTER_WARPS)
+    build(f"filtered ({tag}): gather" + (f" with the threshold of {gr} grouped maxima" if coarse else ""),
+          ra._topk_filter_kernel,
+          {"s_ptr": "*fp32", "live_ptr": "*i32", "thr_ptr": "*i32", "max_ptr": "*i32", "cnt_ptr": "*i32",
+           "cand_ptr": "*i64"},
+          dict(CH=fch, CAP=cap, HAS_LIVE=True, COARSE=coarse, SUB=sub, G=g, GR=gr, KTP=min(kp, gr)),
           ra.TOPK_FILTER_WARPS)
+    build(f"filtered ({tag}): pick, every branch", ra._topk_pick_kernel,
+          {"s_ptr": "*fp32", "live_ptr": "*i32", "cnt_ptr": "*i32", "cand_ptr": "*i64", "out_ptr": "*i64",
+           "exc_ptr": "*fp32", "max_ptr": "*i32"},
+          dict(KP=kp, SMALL=small, MID=mid, CAP=cap, TILE=max(ra.TOPK_FILTER_CHUNK, kp), HAS_LIVE=True,
+               EXCLUDE=True, COARSE=coarse, SUB=sub, TP=tp), ra.TOPK_FILTER_WARPS)

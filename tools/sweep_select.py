@@ -7,7 +7,7 @@ One layer of the fused path (layers/retrieval.py select): `quest_scores` (bound 
 from 8-bit summaries, pages split between the compute pool's 4,166 and the host tier's
 summaries), the bound's top-k striking its picks from the midrange scores, the midrange's
 top-k, `assemble_lists`. Rows: us a chain from CUDA-graph replay, for the chunked top-k and the
-filtered one (TOPK_FILTER), and whether the lists equal the chunked path's.
+filtered one (TOPK_FILTER, with and without TOPK_FILTER_COARSE), and whether the lists equal the chunked path's.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ def main() -> None:
     dev, host = codes(summaries(DEV_PAGES, g)), codes(summaries(WIDTH - DEV_PAGES, g))
     ids = torch.cat([torch.arange(DEV_PAGES), -1 - torch.arange(WIDTH - DEV_PAGES)]).cuda()[None]
     qg = torch.randn(1, HKV, 4, 128, device="cuda", generator=g).bfloat16()
-    flag = ra.TOPK_FILTER
+    flag = ra.TOPK_FILTER, ra.TOPK_FILTER_COARSE
     for ctx in (65536, 131072, 262144):
         pages = ctx // PAGE
         w0 = pages - 17
@@ -53,14 +53,15 @@ def main() -> None:
         top_k = torch.tensor([K], device="cuda")
         args = (qg, dev, host, ids, lim, cand_idx, fixed_idx, fixed_ids, top_k)
         row, want = [], None
-        for ra.TOPK_FILTER in (False, True):
+        for ra.TOPK_FILTER, ra.TOPK_FILTER_COARSE in ((False, False), (True, False), (True, True)):
             us = timed(lambda: chain(*args))
             got = chain(*args)
             want = got if want is None else want
             same = all(torch.equal(a, b) for a, b in zip(got, want))
-            row.append(f"{'filtered' if ra.TOPK_FILTER else 'chunked'} {us:6.1f} us{'' if same else ' DIFFERENT'}")
+            name = ('coarse' if ra.TOPK_FILTER_COARSE else 'filtered') if ra.TOPK_FILTER else 'chunked'
+            row.append(f"{name} {us:6.1f} us{'' if same else ' DIFFERENT'}")
         print(f"ctx {ctx // 1024}K ({w0} live columns of {WIDTH}): " + "; ".join(row), flush=True)
-    ra.TOPK_FILTER = flag
+    ra.TOPK_FILTER, ra.TOPK_FILTER_COARSE = flag
 
 
 if __name__ == "__main__":

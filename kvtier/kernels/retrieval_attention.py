@@ -205,6 +205,15 @@ TOPK_FILTER_WARPS = 4
 # and kept across calls (no memset a call: each call's last maxima program sets its tickets back
 # to 0 and zeroes the counts before the gather); more row-heads take a new zeroed one.
 TOPK_FILTER_STATE = 4096
+# TOPK_FILTER_COARSE (off until timed): no ticket; the maxima pass also writes the best of each
+# group of 16-column maxima (at most TOPK_FILTER_COARSE_MAXIMA groups a row), each gather program
+# takes the threshold from those (the first version's parallel sort of 256, always exact), and only
+# where the candidates overflow the buffer does the pick program take the fine threshold and
+# gather the row again by it. Offline sm_90, 16,386 columns, k 56 (tools/sass_topk.py): maxima
+# 312 + gather 896 SASS a program, against the ticket path's 1,264 (745 of it one program's
+# threshold loop) + 496.
+TOPK_FILTER_COARSE = False
+TOPK_FILTER_COARSE_MAXIMA = 256
 _filter_state: dict[torch.device, torch.Tensor] = {}
 
 if HAVE_TRITON:
@@ -429,53 +438,77 @@ if HAVE_TRITON:
         s = _filter_scores(s_ptr, rh, c, n, C)
         return tl.where(s > float("-inf"), _column_keys(s, c), NO_KEY)
 
+    @triton.jit
+    def _maxima_threshold(row, nm, KT, TP: tl.constexpr, KTP: tl.constexpr):
+        """The KT-th best of the nm maxima at row (NO_BITS where fewer than KT are above -inf), TP
+        at a time into a running best (.cg: maxima another program of the grid may have written)."""
+        top = tl.full([KTP], NO_BITS, tl.int32)
+        for m0 in range(0, nm, TP):
+            i = m0 + tl.arange(0, TP)
+            mx = tl.load(row + i, mask=i < nm, other=NO_BITS, cache_modifier=".cg")
+            top = tl.topk(tl.reshape(tl.join(top, tl.topk(mx, KTP)), (2 * KTP,)), KTP)
+        return tl.max(tl.where(tl.arange(0, KTP) == KT - 1, top, NO_BITS), axis=0)
+
     @triton.jit(do_not_specialize=["H", "C", "M", "KT", "NCH", "RH"])
-    def _topk_max_kernel(s_ptr, live_ptr, max_ptr, state_ptr, thr_ptr, H, C, M, KT, NCH, RH, CH: tl.constexpr,
-                         SUB: tl.constexpr, TP: tl.constexpr, KTP: tl.constexpr, HAS_LIVE: tl.constexpr,
+    def _topk_max_kernel(s_ptr, live_ptr, max_ptr, state_ptr, thr_ptr, cmax_ptr, H, C, M, KT, NCH, RH, MC,
+                         CH: tl.constexpr, SUB: tl.constexpr, TP: tl.constexpr, KTP: tl.constexpr,
+                         HAS_LIVE: tl.constexpr, COARSE: tl.constexpr = False, G: tl.constexpr = 1,
                          PDL: tl.constexpr = False):
         """The filtered top-k's first pass, one (row-head rh, chunk of CH columns): the best score
         of each SUB live columns, as `_score_bits`, -> max_ptr[rh, :M] int32 (NO_BITS where none is
         above -inf). Each program then takes a ticket (state_ptr[rh]); the last of the row-head's
-        NCH takes the KT-th best of its live maxima (NO_BITS where fewer than KT are above -inf),
-        TP at a time into a running best, -> thr_ptr[rh], and sets the ticket and the candidate
-        count (state_ptr[RH + rh]) back to 0 for the second pass and the next call."""
+        NCH takes the KT-th best of its live maxima, -> thr_ptr[rh], and sets the ticket and the
+        candidate count (state_ptr[RH + rh]) back to 0 for the second pass and the next call.
+        COARSE: no ticket; chunk 0 zeroes the count, and each program also writes the best of each G
+        of its maxima -> cmax_ptr[rh, :MC] (the second pass takes its own threshold from them)."""
         wait_before_reads(PDL)
         rh = tl.program_id(0)
         ch = tl.program_id(1)
         n = _live_columns(live_ptr, rh, H, C, HAS_LIVE)
         row = max_ptr + rh.to(tl.int64) * M
+        if COARSE and ch == 0:
+            tl.store(state_ptr + RH + rh, 0)
         if ch * CH < n:
             s = _filter_scores(s_ptr, rh, ch * CH + tl.arange(0, CH), n, C)
             bits = tl.where(s > float("-inf"), _score_bits(s), NO_BITS)
             j = ch * (CH // SUB) + tl.arange(0, CH // SUB)
-            tl.store(row + j, tl.max(tl.reshape(bits, (CH // SUB, SUB)), axis=1), mask=j < M)
-        tl.debug_barrier()  # every thread's maxima stored before the ticket releases them
-        if tl.atomic_add(state_ptr + rh, 1, sem="acq_rel") == NCH - 1:
-            nm = tl.minimum((n + SUB - 1) // SUB, M)
-            top = tl.full([KTP], NO_BITS, tl.int32)
-            for m0 in range(0, nm, TP):
-                i = m0 + tl.arange(0, TP)
-                mx = tl.load(row + i, mask=i < nm, other=NO_BITS, cache_modifier=".cg")
-                top = tl.topk(tl.reshape(tl.join(top, tl.topk(mx, KTP)), (2 * KTP,)), KTP)
-            tl.store(thr_ptr + rh, tl.max(tl.where(tl.arange(0, KTP) == KT - 1, top, NO_BITS), axis=0))
-            tl.store(state_ptr + rh, 0)
-            tl.store(state_ptr + RH + rh, 0)
+            fine = tl.max(tl.reshape(bits, (CH // SUB, SUB)), axis=1)
+            tl.store(row + j, fine, mask=j < M)
+            if COARSE:
+                jc = ch * (CH // (SUB * G)) + tl.arange(0, CH // (SUB * G))
+                tl.store(cmax_ptr + rh.to(tl.int64) * MC + jc, tl.max(tl.reshape(fine, (CH // (SUB * G), G)), axis=1),
+                         mask=jc < MC)
+        if not COARSE:
+            tl.debug_barrier()  # every thread's maxima stored before the ticket releases them
+            if tl.atomic_add(state_ptr + rh, 1, sem="acq_rel") == NCH - 1:
+                tl.store(thr_ptr + rh, _maxima_threshold(row, tl.minimum((n + SUB - 1) // SUB, M), KT, TP, KTP))
+                tl.store(state_ptr + rh, 0)
+                tl.store(state_ptr + RH + rh, 0)
 
-    @triton.jit(do_not_specialize=["H", "C"])
-    def _topk_filter_kernel(s_ptr, live_ptr, thr_ptr, cnt_ptr, cand_ptr, H, C, CH: tl.constexpr,
-                            CAP: tl.constexpr, HAS_LIVE: tl.constexpr, PDL: tl.constexpr = False):
+    @triton.jit(do_not_specialize=["H", "C", "M", "KT"])
+    def _topk_filter_kernel(s_ptr, live_ptr, thr_ptr, max_ptr, cnt_ptr, cand_ptr, H, C, M, KT, CH: tl.constexpr,
+                            CAP: tl.constexpr, HAS_LIVE: tl.constexpr, COARSE: tl.constexpr = False,
+                            SUB: tl.constexpr = 16, G: tl.constexpr = 1, GR: tl.constexpr = 2,
+                            KTP: tl.constexpr = 2, PDL: tl.constexpr = False):
         """The second pass, one (row-head rh, chunk of CH columns): the keys of the chunk's scores
-        >= T = thr_ptr[rh] (and above -inf) appended to the row-head's candidates cand_ptr[rh, :CAP]
-        (the count at cnt_ptr[rh] goes on past CAP: the pick pass then reads the row itself). KT
-        sub-blocks hold a score >= T, so the KT best scores are all >= T; at most KT x SUB are,
-        but for ties at T."""
+        >= T (and above -inf) appended to the row-head's candidates cand_ptr[rh, :CAP] (the count
+        at cnt_ptr[rh] goes on past CAP: the pick pass then takes it from there). T = thr_ptr[rh];
+        COARSE: the KT-th best of the row-head's live coarse maxima (max_ptr[rh, :M], each the best of
+        G sub-blocks; GR a power of two >= M; each program alike). KT sub-blocks (groups) hold a score >= T, so the KT best scores are all >= T;
+        at most KT x SUB are (KT x SUB x G: COARSE), but for ties at T."""
         wait_before_reads(PDL)
         rh = tl.program_id(0)
         ch = tl.program_id(1)
         n = _live_columns(live_ptr, rh, H, C, HAS_LIVE)
         if ch * CH >= n:
             return
-        t = tl.load(thr_ptr + rh)
+        if COARSE:
+            nm = tl.minimum((n + SUB * G - 1) // (SUB * G), M)
+            i = tl.arange(0, GR)
+            grouped = tl.load(max_ptr + rh.to(tl.int64) * M + i, mask=i < nm, other=NO_BITS)
+            t = tl.max(tl.where(tl.arange(0, KTP) == KT - 1, tl.topk(grouped, KTP), NO_BITS), axis=0)
+        else:
+            t = tl.load(thr_ptr + rh)
         c = ch * CH + tl.arange(0, CH)
         s = _filter_scores(s_ptr, rh, c, n, C)
         keep = (s > float("-inf")) & (_score_bits(s) >= t)
@@ -488,17 +521,36 @@ if HAVE_TRITON:
     def _sorted_candidates(base, m, N: tl.constexpr, KP: tl.constexpr):
         """The KP best of the m (<= N) candidate keys at base."""
         i = tl.arange(0, N)
-        return tl.topk(tl.load(base + i, mask=i < m, other=NO_KEY), KP)
+        return tl.topk(tl.load(base + i, mask=i < m, other=NO_KEY, cache_modifier=".cg"), KP)
 
-    @triton.jit(do_not_specialize=["K", "H", "C", "OUT_STRIDE"])
-    def _topk_pick_kernel(s_ptr, live_ptr, cnt_ptr, cand_ptr, out_ptr, exc_ptr, K, H, C, OUT_STRIDE,
+    @triton.jit
+    def _regather(s_ptr, rh, n, C, t, base, CAP: tl.constexpr, TILE: tl.constexpr):
+        """The keys of row-head rh's live scores >= t (above -inf) written to base[:CAP] in column
+        order, TILE columns at a time -> how many there are (past CAP: not all written)."""
+        m = 0
+        for c0 in range(0, n, TILE):
+            c = c0 + tl.arange(0, TILE)
+            s = _filter_scores(s_ptr, rh, c, n, C)
+            keep = (s > float("-inf")) & (_score_bits(s) >= t)
+            k32 = keep.to(tl.int32)
+            pos = m + tl.cumsum(k32, axis=0) - 1
+            tl.store(base + pos, _column_keys(s, c), mask=keep & (pos < CAP))
+            m += tl.sum(k32, axis=0)
+        tl.debug_barrier()  # every thread's keys stored before any thread sorts them
+        return m
+
+    @triton.jit(do_not_specialize=["K", "H", "C", "OUT_STRIDE", "M", "KT"])
+    def _topk_pick_kernel(s_ptr, live_ptr, cnt_ptr, cand_ptr, out_ptr, exc_ptr, max_ptr, K, H, C, OUT_STRIDE, M, KT,
                           KP: tl.constexpr, SMALL: tl.constexpr, MID: tl.constexpr, CAP: tl.constexpr,
                           TILE: tl.constexpr, HAS_LIVE: tl.constexpr, EXCLUDE: tl.constexpr = False,
+                          COARSE: tl.constexpr = False, SUB: tl.constexpr = 16, TP: tl.constexpr = 2,
                           PDL: tl.constexpr = False):
         """The last pass, one row-head: the K best of its candidates -> columns, best first, as
         `_topk_merge_kernel` writes them (-1 for none; EXCLUDE alike). One sort of SMALL, MID or
-        CAP keys; past CAP candidates (ties at the threshold, or a CAP set below K x SUB), the
-        whole row a TILE at a time into a running best."""
+        CAP keys. Past CAP candidates: COARSE, the fine threshold (the KT-th best of the SUB-column
+        maxima, TP at a time) and the row gathered again by it (at most KT x SUB keys but for
+        ties); still past CAP (ties at the threshold, or a CAP set below K x SUB), the whole row a
+        TILE at a time into a running best."""
         wait_before_reads(PDL)
         rh = tl.program_id(0)
         m = tl.load(cnt_ptr + rh)
@@ -511,10 +563,17 @@ if HAVE_TRITON:
             top = _sorted_candidates(base, m, CAP, KP)
         else:
             n = _live_columns(live_ptr, rh, H, C, HAS_LIVE)
-            top = tl.full([KP], NO_KEY, tl.int64)
-            for c0 in range(0, n, TILE):
-                tile = tl.topk(_filter_keys(s_ptr, rh, c0 + tl.arange(0, TILE), n, C), KP)
-                top = tl.topk(tl.reshape(tl.join(top, tile), (2 * KP,)), KP)
+            if COARSE:
+                t = _maxima_threshold(max_ptr + rh.to(tl.int64) * M, tl.minimum((n + SUB - 1) // SUB, M), KT,
+                                      TP, KP)
+                m = _regather(s_ptr, rh, n, C, t, base, CAP, TILE)
+            if m <= CAP:
+                top = _sorted_candidates(base, m, CAP, KP)
+            else:
+                top = tl.full([KP], NO_KEY, tl.int64)
+                for c0 in range(0, n, TILE):
+                    tile = tl.topk(_filter_keys(s_ptr, rh, c0 + tl.arange(0, TILE), n, C), KP)
+                    top = tl.topk(tl.reshape(tl.join(top, tile), (2 * KP,)), KP)
         _store_picks(top, out_ptr, exc_ptr, rh, K, C, OUT_STRIDE, KP, EXCLUDE)
 
     @triton.jit(do_not_specialize=["Hkv", "C", "F", "K"])
@@ -715,15 +774,22 @@ def _topk_filtered(s: torch.Tensor, k: int, kp: int, lv: torch.Tensor, has_live:
     maxima = torch.empty((rh, m), dtype=torch.int32, device=dev)
     thr = torch.empty(rh, dtype=torch.int32, device=dev)
     cand = torch.empty((rh, cap), dtype=torch.int64, device=dev)
-    _topk_max_kernel[(rh, nch)](s, lv, maxima, tickets, thr, h, c, m, k, nch, state.numel() // 2, CH=ch, SUB=sub,
-                                TP=max(TOPK_FILTER_TILE, kp), KTP=kp, HAS_LIVE=has_live,
+    coarse = TOPK_FILTER_COARSE
+    tp = max(TOPK_FILTER_TILE, kp)
+    g = min(ch // sub, triton.next_power_of_2(triton.cdiv(m, TOPK_FILTER_COARSE_MAXIMA)))  # maxima a group
+    mc = triton.cdiv(c, sub * g)
+    gr = max(2, triton.next_power_of_2(mc))
+    cmax = torch.empty((rh, mc), dtype=torch.int32, device=dev) if coarse else maxima
+    _topk_max_kernel[(rh, nch)](s, lv, maxima, tickets, thr, cmax, h, c, m, k, nch, state.numel() // 2, mc, CH=ch,
+                                SUB=sub, TP=tp, KTP=kp, HAS_LIVE=has_live, COARSE=coarse, G=g,
                                 num_warps=TOPK_FILTER_WARPS, **pdl.launch_args(dev))
-    _topk_filter_kernel[(rh, nch)](s, lv, thr, count, cand, h, c, CH=ch, CAP=cap, HAS_LIVE=has_live,
+    _topk_filter_kernel[(rh, nch)](s, lv, thr, cmax, count, cand, h, c, mc, k, CH=ch, CAP=cap, HAS_LIVE=has_live,
+                                   COARSE=coarse, SUB=sub, G=g, GR=gr, KTP=min(kp, gr),
                                    num_warps=TOPK_FILTER_WARPS, **pdl.launch_args(dev))
-    _topk_pick_kernel[(rh,)](s, lv, count, cand, out, exclude if exclude is not None else s, k, h, c,
-                             out.stride(1), KP=kp, SMALL=small, MID=mid, CAP=cap, TILE=max(TOPK_FILTER_CHUNK, kp),
-                             HAS_LIVE=has_live, EXCLUDE=exclude is not None, num_warps=TOPK_FILTER_WARPS,
-                             **pdl.launch_args(dev))
+    _topk_pick_kernel[(rh,)](s, lv, count, cand, out, exclude if exclude is not None else s, maxima, k, h, c,
+                             out.stride(1), m, k, KP=kp, SMALL=small, MID=mid, CAP=cap,
+                             TILE=max(TOPK_FILTER_CHUNK, kp), HAS_LIVE=has_live, EXCLUDE=exclude is not None,
+                             COARSE=coarse, SUB=sub, TP=tp, num_warps=TOPK_FILTER_WARPS, **pdl.launch_args(dev))
 
 
 def _topk_out(out: torch.Tensor | None, r: int, h: int, k: int, device: torch.device) -> torch.Tensor:

@@ -135,6 +135,25 @@ def test_selection_kernels_compile() -> None:
                  dict(KP=64, NP=32 * 64, GROUP=group, EXCLUDE=exclude), warps=16)
 
 
+@pytest.mark.parametrize("coarse", [False, True])
+def test_filtered_topk_kernels_compile(coarse: bool) -> None:
+    """The threshold top-k's three kernels (TOPK_FILTER), with the ticket (the default) and with
+    TOPK_FILTER_COARSE, at a 256K table's launch settings (k 56: 64 picks, 1,024-key buffer)."""
+    pytest.importorskip("triton")
+    from kvtier.kernels import retrieval_attention as ra
+    w = ra.TOPK_FILTER_WARPS
+    _compile(ra._topk_max_kernel, {"s_ptr": "*fp32", "live_ptr": "*i64", "max_ptr": "*i32", "state_ptr": "*i32",
+                                   "thr_ptr": "*i32", "cmax_ptr": "*i32"},
+             dict(CH=1024, SUB=16, TP=512, KTP=64, HAS_LIVE=True, COARSE=coarse, G=8), warps=w)
+    _compile(ra._topk_filter_kernel, {"s_ptr": "*fp32", "live_ptr": "*i64", "thr_ptr": "*i32", "max_ptr": "*i32",
+                                      "cnt_ptr": "*i32", "cand_ptr": "*i64"},
+             dict(CH=1024, CAP=1024, HAS_LIVE=True, COARSE=coarse, SUB=16, G=8, GR=256, KTP=64), warps=w)
+    _compile(ra._topk_pick_kernel, {"s_ptr": "*fp32", "live_ptr": "*i64", "cnt_ptr": "*i32", "cand_ptr": "*i64",
+                                    "out_ptr": "*i64", "exc_ptr": "*fp32", "max_ptr": "*i32"},
+             dict(KP=64, SMALL=128, MID=512, CAP=1024, TILE=1024, HAS_LIVE=True, EXCLUDE=True, COARSE=coarse,
+                  SUB=16, TP=512), warps=w)
+
+
 @pytest.mark.parametrize("vector_x", [False, True])
 @pytest.mark.parametrize("bits", [4, 8])
 def test_gemv_kernel_compiles(bits: int, vector_x: bool) -> None:

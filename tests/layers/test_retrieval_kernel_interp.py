@@ -287,12 +287,17 @@ def check_topk(ra, r: int, h: int, c: int, k: int, seed: int, device: str = "cpu
 
 
 # The filtered top-k's (chunk, sub-block, maxima a threshold step, candidates, small sort, mid
-# sort): the defaults; candidates past the buffer (the pick pass walks the row: 1,100 columns,
-# 40 picks) and the threshold over several steps of maxima; the small, mid and whole-buffer sorts
-# at small sizes (more candidates than the small sort: 37 of 64)
-FILTER_SETTINGS = [None, (16, 4, 8, 8, 4, 4), (64, 16, 16, 512, 4, 32)]
+# sort, coarse thresholds, coarse maxima a row): the defaults; candidates past the buffer (the pick
+# pass walks the row: 1,100 columns, 40 picks) and the threshold over several steps of maxima; the
+# small, mid and whole-buffer sorts at small sizes (more candidates than the small sort: 37 of 64);
+# coarse thresholds from 4 grouped maxima a row (fewer groups than picks: every live column passes,
+# the pick pass gathers the row again by the fine threshold), then with a buffer too small for
+# that too (the walk after the second gather); coarse thresholds at the default sizes
+FILTER_SETTINGS = [None, (16, 4, 8, 8, 4, 4, False, 256), (64, 16, 16, 512, 4, 32, False, 256),
+                   (16, 4, 8, None, 4, 8, True, 4), (16, 4, 8, 8, 4, 4, True, 4),
+                   (1024, 16, 512, None, 128, 512, True, 256)]
 FILTER_NAMES = ("TOPK_FILTER_CHUNK", "TOPK_FILTER_SUB", "TOPK_FILTER_TILE", "TOPK_FILTER_CAP",
-                "TOPK_FILTER_SMALL", "TOPK_FILTER_MID")
+                "TOPK_FILTER_SMALL", "TOPK_FILTER_MID", "TOPK_FILTER_COARSE", "TOPK_FILTER_COARSE_MAXIMA")
 
 
 def check_topk_filtered(ra, device: str = "cpu", cases=None) -> list[str]:
