@@ -32,30 +32,23 @@ build(f"chunked: merge of {np_} keys", ra._topk_merge_kernel,
       {"key_ptr": "*i64", "live_ptr": "*i32", "out_ptr": "*i64", "exc_ptr": "*fp32"},
       dict(KP=kp, NP=np_, GROUP=ra.TOPK_MERGE_GROUP, EXCLUDE=True),
       min(16, max(4, np_ // ra.TOPK_MERGE_KEYS_PER_WARP)))
-sub = ra.TOPK_FILTER_SUB
-fch = max(ra.TOPK_FILTER_CHUNK, sub)
-small = max(ra.TOPK_FILTER_SMALL, kp)
-cap = max(ra.TOPK_FILTER_CAP or kp * sub, small)
-mid = min(max(ra.TOPK_FILTER_MID, small), cap)
-tp = max(ra.TOPK_FILTER_TILE, kp)
-m = triton.cdiv(C, sub)
-g = min(fch // sub, triton.next_power_of_2(triton.cdiv(m, ra.TOPK_FILTER_COARSE_MAXIMA)))
-gr = max(2, triton.next_power_of_2(triton.cdiv(C, sub * g)))
+z = ra.filter_sizes(C, kp)
 for coarse in (False, True):
     tag = "coarse" if coarse else "ticket"
-    build(f"filtered ({tag}): maxima of {sub} columns" + ("" if coarse else f" + the last program's threshold ({tp} a step)"),
-          ra._topk_max_kernel,
+    build(f"filtered ({tag}): maxima of {z['sub']} columns"
+          + ("" if coarse else f" + the last program's threshold ({z['tp']} a step)"), ra._topk_max_kernel,
           {"s_ptr": "*fp32", "live_ptr": "*i32", "max_ptr": "*i32", "state_ptr": "*i32", "thr_ptr": "*i32",
            "cmax_ptr": "*i32"},
-          dict(CH=fch, SUB=sub, TP=tp, KTP=kp, HAS_LIVE=True, COARSE=coarse, G=g), ra.TOPK_FILTER_WARPS)
-    build(f"filtered ({tag}): gather" + (f" with the threshold of {gr} grouped maxima" if coarse else ""),
+          dict(CH=z["ch"], SUB=z["sub"], TP=z["tp"], KTP=kp, HAS_LIVE=True, COARSE=coarse, G=z["g"]),
+          ra.TOPK_FILTER_WARPS)
+    build(f"filtered ({tag}): gather" + (f" with the threshold of {z['gr']} grouped maxima" if coarse else ""),
           ra._topk_filter_kernel,
           {"s_ptr": "*fp32", "live_ptr": "*i32", "thr_ptr": "*i32", "max_ptr": "*i32", "cnt_ptr": "*i32",
            "cand_ptr": "*i64"},
-          dict(CH=fch, CAP=cap, HAS_LIVE=True, COARSE=coarse, SUB=sub, G=g, GR=gr, KTP=min(kp, gr)),
-          ra.TOPK_FILTER_WARPS)
+          dict(CH=z["ch"], CAP=z["cap"], HAS_LIVE=True, COARSE=coarse, SUB=z["sub"], G=z["g"], GR=z["gr"],
+               KTP=min(kp, z["gr"])), ra.TOPK_FILTER_WARPS)
     build(f"filtered ({tag}): pick, every branch", ra._topk_pick_kernel,
           {"s_ptr": "*fp32", "live_ptr": "*i32", "cnt_ptr": "*i32", "cand_ptr": "*i64", "out_ptr": "*i64",
            "exc_ptr": "*fp32", "max_ptr": "*i32"},
-          dict(KP=kp, SMALL=small, MID=mid, CAP=cap, TILE=max(ra.TOPK_FILTER_CHUNK, kp), HAS_LIVE=True,
-               EXCLUDE=True, COARSE=coarse, SUB=sub, TP=tp), ra.TOPK_FILTER_WARPS)
+          dict(KP=kp, SMALL=z["small"], MID=z["mid"], CAP=z["cap"], TILE=max(ra.TOPK_FILTER_CHUNK, kp),
+               HAS_LIVE=True, EXCLUDE=True, COARSE=coarse, SUB=z["sub"], TP=z["tp"]), ra.TOPK_FILTER_WARPS)

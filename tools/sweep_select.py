@@ -7,7 +7,8 @@ One layer of the fused path (layers/retrieval.py select): `quest_scores` (bound 
 from 8-bit summaries, pages split between the compute pool's 4,166 and the host tier's
 summaries), the bound's top-k striking its picks from the midrange scores, the midrange's
 top-k, `assemble_lists`. Rows: us a chain from CUDA-graph replay, for the chunked top-k and the
-filtered one (TOPK_FILTER, with and without TOPK_FILTER_COARSE), and whether the lists equal the chunked path's.
+filtered one (TOPK_FILTER, with and without TOPK_FILTER_COARSE), and whether the lists equal the
+chunked path's.
 """
 
 from __future__ import annotations

@@ -202,8 +202,7 @@ TOPK_FILTER_SMALL = 128
 TOPK_FILTER_MID = 512
 TOPK_FILTER_WARPS = 4
 # Row-heads whose threshold tickets and candidate counts live in one buffer a device, zeroed once
-# and kept across calls (no memset a call: each call's last maxima program sets its tickets back
-# to 0 and zeroes the counts before the gather); more row-heads take a new zeroed one.
+# and kept across calls (`_filter_counters`: no memset a call).
 TOPK_FILTER_STATE = 4096
 # TOPK_FILTER_COARSE (off until timed): no ticket; the maxima pass also writes the best of each
 # group of 16-column maxima (at most TOPK_FILTER_COARSE_MAXIMA groups a row), each gather program
@@ -439,6 +438,11 @@ if HAVE_TRITON:
         return tl.where(s > float("-inf"), _column_keys(s, c), NO_KEY)
 
     @triton.jit
+    def _kth_best(top, KT, KTP: tl.constexpr):
+        """The KT-th of KTP maxima sorted best first (NO_BITS past KTP)."""
+        return tl.max(tl.where(tl.arange(0, KTP) == KT - 1, top, NO_BITS), axis=0)
+
+    @triton.jit
     def _maxima_threshold(row, nm, KT, TP: tl.constexpr, KTP: tl.constexpr):
         """The KT-th best of the nm maxima at row (NO_BITS where fewer than KT are above -inf), TP
         at a time into a running best (.cg: maxima another program of the grid may have written)."""
@@ -447,7 +451,7 @@ if HAVE_TRITON:
             i = m0 + tl.arange(0, TP)
             mx = tl.load(row + i, mask=i < nm, other=NO_BITS, cache_modifier=".cg")
             top = tl.topk(tl.reshape(tl.join(top, tl.topk(mx, KTP)), (2 * KTP,)), KTP)
-        return tl.max(tl.where(tl.arange(0, KTP) == KT - 1, top, NO_BITS), axis=0)
+        return _kth_best(top, KT, KTP)
 
     @triton.jit(do_not_specialize=["H", "C", "M", "KT", "NCH", "RH"])
     def _topk_max_kernel(s_ptr, live_ptr, max_ptr, state_ptr, thr_ptr, cmax_ptr, H, C, M, KT, NCH, RH, MC,
@@ -493,9 +497,10 @@ if HAVE_TRITON:
         """The second pass, one (row-head rh, chunk of CH columns): the keys of the chunk's scores
         >= T (and above -inf) appended to the row-head's candidates cand_ptr[rh, :CAP] (the count
         at cnt_ptr[rh] goes on past CAP: the pick pass then takes it from there). T = thr_ptr[rh];
-        COARSE: the KT-th best of the row-head's live coarse maxima (max_ptr[rh, :M], each the best of
-        G sub-blocks; GR a power of two >= M; each program alike). KT sub-blocks (groups) hold a score >= T, so the KT best scores are all >= T;
-        at most KT x SUB are (KT x SUB x G: COARSE), but for ties at T."""
+        COARSE: the KT-th best of the row-head's live coarse maxima (max_ptr[rh, :M], each the best
+        of G sub-blocks; GR a power of two >= M; each program alike). KT sub-blocks (groups) hold a
+        score >= T, so the KT best scores are all >= T; at most KT x SUB are (KT x SUB x G:
+        COARSE), but for ties at T."""
         wait_before_reads(PDL)
         rh = tl.program_id(0)
         ch = tl.program_id(1)
@@ -506,7 +511,7 @@ if HAVE_TRITON:
             nm = tl.minimum((n + SUB * G - 1) // (SUB * G), M)
             i = tl.arange(0, GR)
             grouped = tl.load(max_ptr + rh.to(tl.int64) * M + i, mask=i < nm, other=NO_BITS)
-            t = tl.max(tl.where(tl.arange(0, KTP) == KT - 1, tl.topk(grouped, KTP), NO_BITS), axis=0)
+            t = _kth_best(tl.topk(grouped, KTP), KT, KTP)
         else:
             t = tl.load(thr_ptr + rh)
         c = ch * CH + tl.arange(0, CH)
@@ -539,16 +544,16 @@ if HAVE_TRITON:
         tl.debug_barrier()  # every thread's keys stored before any thread sorts them
         return m
 
-    @triton.jit(do_not_specialize=["K", "H", "C", "OUT_STRIDE", "M", "KT"])
-    def _topk_pick_kernel(s_ptr, live_ptr, cnt_ptr, cand_ptr, out_ptr, exc_ptr, max_ptr, K, H, C, OUT_STRIDE, M, KT,
+    @triton.jit(do_not_specialize=["K", "H", "C", "OUT_STRIDE", "M"])
+    def _topk_pick_kernel(s_ptr, live_ptr, cnt_ptr, cand_ptr, out_ptr, exc_ptr, max_ptr, K, H, C, OUT_STRIDE, M,
                           KP: tl.constexpr, SMALL: tl.constexpr, MID: tl.constexpr, CAP: tl.constexpr,
                           TILE: tl.constexpr, HAS_LIVE: tl.constexpr, EXCLUDE: tl.constexpr = False,
                           COARSE: tl.constexpr = False, SUB: tl.constexpr = 16, TP: tl.constexpr = 2,
                           PDL: tl.constexpr = False):
         """The last pass, one row-head: the K best of its candidates -> columns, best first, as
         `_topk_merge_kernel` writes them (-1 for none; EXCLUDE alike). One sort of SMALL, MID or
-        CAP keys. Past CAP candidates: COARSE, the fine threshold (the KT-th best of the SUB-column
-        maxima, TP at a time) and the row gathered again by it (at most KT x SUB keys but for
+        CAP keys. Past CAP candidates: COARSE, the fine threshold (the K-th best of the SUB-column
+        maxima, TP at a time) and the row gathered again by it (at most K x SUB keys but for
         ties); still past CAP (ties at the threshold, or a CAP set below K x SUB), the whole row a
         TILE at a time into a running best."""
         wait_before_reads(PDL)
@@ -564,8 +569,7 @@ if HAVE_TRITON:
         else:
             n = _live_columns(live_ptr, rh, H, C, HAS_LIVE)
             if COARSE:
-                t = _maxima_threshold(max_ptr + rh.to(tl.int64) * M, tl.minimum((n + SUB - 1) // SUB, M), KT,
-                                      TP, KP)
+                t = _maxima_threshold(max_ptr + rh.to(tl.int64) * M, tl.minimum((n + SUB - 1) // SUB, M), K, TP, KP)
                 m = _regather(s_ptr, rh, n, C, t, base, CAP, TILE)
             if m <= CAP:
                 top = _sorted_candidates(base, m, CAP, KP)
@@ -749,6 +753,34 @@ def topk_columns(scores: torch.Tensor, k: int, live: torch.Tensor | None = None,
     return out
 
 
+def filter_sizes(c: int, kp: int) -> dict[str, int]:
+    """`_topk_filtered`'s launch sizes for a row of c columns and kp (a power of two) picks: the
+    sub-block width `sub`, its maxima `m` a row, chunks `ch` columns wide (`nch` a row), the sorts
+    `small` / `mid` / `cap` (the buffer), the threshold's maxima a step `tp`, and COARSE's maxima a
+    group `g`, groups `mc` a row and their sort `gr` (tools/sass_topk.py builds at these)."""
+    sub = TOPK_FILTER_SUB
+    m = triton.cdiv(c, sub)
+    ch = max(TOPK_FILTER_CHUNK, sub)
+    small = max(TOPK_FILTER_SMALL, kp)
+    cap = max(TOPK_FILTER_CAP or kp * sub, small)
+    g = min(ch // sub, triton.next_power_of_2(triton.cdiv(m, TOPK_FILTER_COARSE_MAXIMA)))
+    mc = triton.cdiv(c, sub * g)
+    return dict(sub=sub, m=m, ch=ch, nch=triton.cdiv(c, ch), small=small, cap=cap,
+                mid=min(max(TOPK_FILTER_MID, small), cap), tp=max(TOPK_FILTER_TILE, kp), g=g, mc=mc,
+                gr=max(2, triton.next_power_of_2(mc)))
+
+
+def _filter_counters(rh: int, device: torch.device) -> torch.Tensor:
+    """[2, >= rh] int32 zeros: tickets, candidate counts. One buffer a device kept across calls
+    (each call leaves its tickets at 0 and zeroes its counts before use) up to TOPK_FILTER_STATE
+    row-heads; past it a new one a call."""
+    if rh > TOPK_FILTER_STATE:
+        return torch.zeros((2, rh), dtype=torch.int32, device=device)
+    if device not in _filter_state:
+        _filter_state[device] = torch.zeros((2, TOPK_FILTER_STATE), dtype=torch.int32, device=device)
+    return _filter_state[device]
+
+
 def _topk_filtered(s: torch.Tensor, k: int, kp: int, lv: torch.Tensor, has_live: bool, out: torch.Tensor,
                    exclude: torch.Tensor | None) -> None:
     """topk_columns by a threshold (TOPK_FILTER), three launches: each TOPK_FILTER_CHUNK columns'
@@ -756,40 +788,24 @@ def _topk_filtered(s: torch.Tensor, k: int, kp: int, lv: torch.Tensor, has_live:
     last chunk program; the keys of every score at least the threshold, appended to a candidate
     buffer; one sort of the candidates (usually a few more than k) per row-head."""
     r, h, c = s.shape
-    rh = r * h
-    sub = TOPK_FILTER_SUB
-    m = triton.cdiv(c, sub)
-    ch = max(TOPK_FILTER_CHUNK, sub)
-    nch = triton.cdiv(c, ch)
-    small = max(TOPK_FILTER_SMALL, kp)
-    cap = max(TOPK_FILTER_CAP or kp * sub, small)
-    mid = min(max(TOPK_FILTER_MID, small), cap)
-    dev = s.device
-    state = _filter_state.get(dev)
-    if state is None and rh <= TOPK_FILTER_STATE:
-        state = _filter_state[dev] = torch.zeros(2 * TOPK_FILTER_STATE, dtype=torch.int32, device=dev)
-    if rh > TOPK_FILTER_STATE:
-        state = torch.zeros(2 * rh, dtype=torch.int32, device=dev)
-    tickets, count = state[:rh], state[state.numel() // 2:][:rh]
-    maxima = torch.empty((rh, m), dtype=torch.int32, device=dev)
-    thr = torch.empty(rh, dtype=torch.int32, device=dev)
-    cand = torch.empty((rh, cap), dtype=torch.int64, device=dev)
+    rh, z, dev = r * h, filter_sizes(c, kp), s.device
+    state = _filter_counters(rh, dev)
     coarse = TOPK_FILTER_COARSE
-    tp = max(TOPK_FILTER_TILE, kp)
-    g = min(ch // sub, triton.next_power_of_2(triton.cdiv(m, TOPK_FILTER_COARSE_MAXIMA)))  # maxima a group
-    mc = triton.cdiv(c, sub * g)
-    gr = max(2, triton.next_power_of_2(mc))
-    cmax = torch.empty((rh, mc), dtype=torch.int32, device=dev) if coarse else maxima
-    _topk_max_kernel[(rh, nch)](s, lv, maxima, tickets, thr, cmax, h, c, m, k, nch, state.numel() // 2, mc, CH=ch,
-                                SUB=sub, TP=tp, KTP=kp, HAS_LIVE=has_live, COARSE=coarse, G=g,
-                                num_warps=TOPK_FILTER_WARPS, **pdl.launch_args(dev))
-    _topk_filter_kernel[(rh, nch)](s, lv, thr, cmax, count, cand, h, c, mc, k, CH=ch, CAP=cap, HAS_LIVE=has_live,
-                                   COARSE=coarse, SUB=sub, G=g, GR=gr, KTP=min(kp, gr),
-                                   num_warps=TOPK_FILTER_WARPS, **pdl.launch_args(dev))
-    _topk_pick_kernel[(rh,)](s, lv, count, cand, out, exclude if exclude is not None else s, maxima, k, h, c,
-                             out.stride(1), m, k, KP=kp, SMALL=small, MID=mid, CAP=cap,
+    maxima = torch.empty((rh, z["m"]), dtype=torch.int32, device=dev)
+    thr = maxima if coarse else torch.empty(rh, dtype=torch.int32, device=dev)  # (unread with COARSE)
+    cmax = torch.empty((rh, z["mc"]), dtype=torch.int32, device=dev) if coarse else maxima  # (unread without)
+    cand = torch.empty((rh, z["cap"]), dtype=torch.int64, device=dev)
+    _topk_max_kernel[(rh, z["nch"])](s, lv, maxima, state, thr, cmax, h, c, z["m"], k, z["nch"], state.shape[1],
+                                     z["mc"], CH=z["ch"], SUB=z["sub"], TP=z["tp"], KTP=kp, HAS_LIVE=has_live,
+                                     COARSE=coarse, G=z["g"], num_warps=TOPK_FILTER_WARPS, **pdl.launch_args(dev))
+    _topk_filter_kernel[(rh, z["nch"])](s, lv, thr, cmax, state[1], cand, h, c, z["mc"], k, CH=z["ch"], CAP=z["cap"],
+                                        HAS_LIVE=has_live, COARSE=coarse, SUB=z["sub"], G=z["g"], GR=z["gr"],
+                                        KTP=min(kp, z["gr"]), num_warps=TOPK_FILTER_WARPS, **pdl.launch_args(dev))
+    _topk_pick_kernel[(rh,)](s, lv, state[1], cand, out, exclude if exclude is not None else s, maxima, k, h, c,
+                             out.stride(1), z["m"], KP=kp, SMALL=z["small"], MID=z["mid"], CAP=z["cap"],
                              TILE=max(TOPK_FILTER_CHUNK, kp), HAS_LIVE=has_live, EXCLUDE=exclude is not None,
-                             COARSE=coarse, SUB=sub, TP=tp, num_warps=TOPK_FILTER_WARPS, **pdl.launch_args(dev))
+                             COARSE=coarse, SUB=z["sub"], TP=z["tp"], num_warps=TOPK_FILTER_WARPS,
+                             **pdl.launch_args(dev))
 
 
 def _topk_out(out: torch.Tensor | None, r: int, h: int, k: int, device: torch.device) -> torch.Tensor:

@@ -65,6 +65,8 @@ from kvtier.device import tensor_to
 # Least exponent of 8-bit summaries (module docstring): pages whose keys are all below 127 * 2^E_MIN
 # in magnitude share it (their codes round outward to -1 / 0 / 1).
 E_MIN = -100
+# The codes' largest magnitude (2^b - 1 for b-bit codes); the kernels' `_exponent` assumes 127.
+CODE_MAX = 127
 
 
 def summary_dtype(device: torch.device | str, key_dtype: torch.dtype, bits: int = 16) -> torch.dtype:
@@ -95,14 +97,14 @@ def pow2(e: torch.Tensor) -> torch.Tensor:
 
 
 def exponents(amax: torch.Tensor) -> torch.Tensor:
-    """The least e >= E_MIN with amax <= 127 * 2^e (amax >= 0, fp32) -> int32, as the kernels
+    """The least e >= E_MIN with amax <= CODE_MAX * 2^e (amax >= 0, fp32) -> int32, as the kernels
     (kernels/retrieval_attention.py _exponent) compute it: from amax's binary exponent x (amax in
-    [2^(x-1), 2^x); x = -126 below the normal range), e is x - 7 or x - 6."""
+    [2^(x-1), 2^x); x = -126 below the normal range), e is x - 7 or x - 6 (CODE_MAX 127)."""
     amax = amax.float()
     x = torch.frexp(amax).exponent.to(torch.int32)
     x = torch.where(amax < 2.0 ** -126, -126, x)
-    e0 = (x - 7).clamp_min(E_MIN)
-    return e0 + (amax > 127.0 * pow2(e0)).to(torch.int32)
+    e0 = (x - CODE_MAX.bit_length()).clamp_min(E_MIN)
+    return e0 + (amax > CODE_MAX * pow2(e0)).to(torch.int32)
 
 
 def encode_bounds(lo: torch.Tensor, hi: torch.Tensor, e: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
